@@ -1,0 +1,37 @@
+# quantkit developer targets. Everything installs into a project-local .venv.
+# torch is installed first, from the CPU wheel, so that no dependency pulls a CUDA build.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+THREADS ?= 2
+
+.PHONY: install sysdeps test lint demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Headless Chromium renders the planner's HTML report in a test (Debian package).
+sysdeps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = "0" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing and not root: the HTML rendering test will be skipped"; fi; }
+
+test: install sysdeps
+	$(BIN)/ruff check quantkit tests bench
+	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -q -p no:cacheprovider tests
+
+lint: install
+	$(BIN)/ruff check quantkit tests bench
+
+demo: install
+	$(BIN)/quantkit demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info
