@@ -1,0 +1,98 @@
+"""Reading and checking safetensors headers without loading any tensor data.
+
+A safetensors file is `u64 header length | JSON header | data`. Parsing the JSON ourselves lets us
+reject truncated or corrupt shards with a precise one-line message before any conversion work starts,
+and lets the planner and the validator account for bytes exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+
+__all__ = ["DTYPE_BYTES", "HeaderEntry", "ShardHeader", "read_header"]
+
+DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1,
+}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor as the header describes it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed, bounds-checked shard header."""
+
+    path: Path
+    header_len: int
+    tensors: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+    file_size: int
+
+    @property
+    def data_bytes(self) -> int:
+        return self.file_size - 8 - self.header_len
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Parse and check one shard header; raise QuantkitError naming the file (and tensor) when bad."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw_len = fh.read(8)
+            if len(raw_len) < 8:
+                raise QuantkitError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > _MAX_HEADER or 8 + header_len > size:
+                raise QuantkitError(f"{path}: corrupt or truncated safetensors header (length {header_len})")
+            header = json.loads(fh.read(header_len).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QuantkitError(f"{path}: corrupt safetensors header ({exc.__class__.__name__})") from None
+    except OSError as exc:
+        raise QuantkitError(f"{path}: cannot read ({exc.strerror})") from None
+    if not isinstance(header, dict):
+        raise QuantkitError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {name: _entry(path, name, info) for name, info in header.items()}
+    data_len = size - 8 - header_len
+    end = max((t.end for t in tensors.values()), default=0)
+    if end > data_len:
+        worst = max(tensors, key=lambda n: tensors[n].end)
+        raise QuantkitError(
+            f"{path}: truncated: tensor {worst} ends at byte {end} of the data section but the file holds "
+            f"{data_len}"
+        )
+    return ShardHeader(path, header_len, tensors, metadata, size)
+
+
+def _entry(path: Path, name: str, info: object) -> HeaderEntry:
+    try:
+        dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        raise QuantkitError(f"{path}: corrupt header entry for tensor {name}") from None
+    if dtype not in DTYPE_BYTES or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise QuantkitError(f"{path}: tensor {name} has unsupported dtype {dtype!r} or bad shape {shape}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not (isinstance(start, int) and isinstance(end, int)) or end - start != numel * DTYPE_BYTES[dtype]:
+        raise QuantkitError(f"{path}: tensor {name}: data offsets do not match dtype {dtype} and shape {shape}")
+    return HeaderEntry(dtype, shape, start, end)

@@ -1,0 +1,340 @@
+"""Opening a source checkpoint: validate everything up front, then read logical weights lazily.
+
+Three source formats, one reader:
+- plain (BF16 / FP16 / FP32) tensors;
+- FP8-block: `X.weight` (float8_e4m3fn) + `X.weight_scale_inv` (fp32 per 128x128 block), possibly in
+  different shards; dequant is `fp8 * scale_inv` per block;
+- compressed-tensors pack-quantized INT4 (Kimi K2.x): `X.weight_packed/_scale/_shape`.
+
+Each logical weight `X.weight` is assembled from its physical parts wherever they live (the index says
+where). Nothing is read until asked for, and a worker holds at most one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from quantkit.arch import Adapter, get_adapter
+from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader, read_header
+from quantkit.errors import QuantkitError
+from quantkit.quant.int4 import dequantize_group, unpack_int4
+
+__all__ = ["LogicalTensor", "SourceCheckpoint", "open_source", "PICKLE_SUFFIXES"]
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_FP8_DTYPES = {"F8_E4M3"}
+_INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+_PICKLE_REFUSED = "pickle checkpoints are refused (they are never unpickled); convert them to safetensors first"
+
+
+@dataclass
+class LogicalTensor:
+    """One logical tensor and the physical tensors it is made of."""
+
+    name: str
+    fmt: str  # "plain" | "fp8_block" | "int4_packed"
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype of the primary physical tensor
+    shard: str  # file holding the primary physical tensor
+    parts: dict[str, str] = field(default_factory=dict)  # physical name -> file
+    nbytes: int = 0  # source bytes of all parts
+
+
+class SourceCheckpoint:
+    """A validated source checkpoint directory. Use `open_source` to build one."""
+
+    def __init__(self, root: Path, config: dict[str, Any], headers: dict[str, ShardHeader]) -> None:
+        self.root = root
+        self.config = config
+        self.headers = headers  # shard file name -> header, in shard order
+        self.adapter: Adapter = get_adapter(config)
+        self.logical: dict[str, LogicalTensor] = _assemble(headers)
+        self.warnings: list[str] = []
+        self._handles: dict[str, Any] = {}
+
+    # ---- format facts ---------------------------------------------------------------------------
+    @cached_property
+    def quantization_config(self) -> dict[str, Any]:
+        return self.config.get("quantization_config") or {}
+
+    @cached_property
+    def fp8_block_size(self) -> tuple[int, int]:
+        block = self.quantization_config.get("weight_block_size") or [128, 128]
+        return int(block[0]), int(block[1])
+
+    @cached_property
+    def int4_group_size(self) -> int | None:
+        """Group size of a compressed-tensors INT4 source (None for other sources)."""
+        if self.quantization_config.get("quant_method") != "compressed-tensors":
+            return None
+        for group in (self.quantization_config.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            if weights.get("num_bits") == 4 and weights.get("type") == "int":
+                return int(weights.get("group_size") or 0) or None
+        return None
+
+    @cached_property
+    def int4_symmetric(self) -> bool:
+        groups = (self.quantization_config.get("config_groups") or {}).values()
+        return all((g.get("weights") or {}).get("symmetric", True) for g in groups)
+
+    @cached_property
+    def source_format(self) -> str:
+        fmts = {t.fmt for t in self.logical.values()}
+        return "int4" if "int4_packed" in fmts else "fp8_block" if "fp8_block" in fmts else "bf16"
+
+    @cached_property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype unquantized weights and scales are written in (bf16 unless the config says fp16)."""
+        name = str(self.config.get("torch_dtype") or self.config.get("dtype") or "bfloat16")
+        return torch.float16 if "16" in name and "b" not in name else torch.bfloat16
+
+    @property
+    def shard_files(self) -> list[str]:
+        return list(self.headers)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(h.file_size for h in self.headers.values())
+
+    # ---- naming -----------------------------------------------------------------------------------
+    def logical_names(self) -> list[str]:
+        return list(self.logical)
+
+    def names_in_shard(self, shard: str) -> list[str]:
+        """Logical tensors whose primary part lives in `shard` (each logical tensor has one home)."""
+        return [n for n, t in self.logical.items() if t.shard == shard]
+
+    def layer_names(self, layer: int) -> list[str]:
+        """Logical names of one decoder layer (MTP layers are layers >= num_hidden_layers)."""
+        return [n for n in self.logical if self.adapter.classify(n).layer == layer]
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The logical tensor `name`, dequantized if needed, as `dtype` (checks for NaN/Inf)."""
+        t = self.logical.get(name)
+        if t is None:
+            raise QuantkitError(f"{self.root}: no tensor named {name}")
+        if t.fmt == "fp8_block":
+            value = self._dequant_fp8(t)
+        elif t.fmt == "int4_packed":
+            value = self._dequant_int4(t)
+        else:
+            value = self.read_physical(name, t.shard)
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise QuantkitError(f"{self.root / t.shard}: tensor {name} contains NaN or Inf values")
+        return value.to(dtype) if value.is_floating_point() else value
+
+    def read_physical(self, name: str, shard: str) -> torch.Tensor:
+        """One stored tensor exactly as on disk."""
+        try:
+            return self._handle(shard).get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types
+            raise QuantkitError(f"{self.root / shard}: cannot read tensor {name} ({exc})") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def _handle(self, shard: str) -> Any:
+        if shard not in self._handles:
+            if len(self._handles) >= 4:  # scales may sit in other shards; keep a few open, not all
+                self._handles.pop(next(iter(self._handles)))
+            self._handles[shard] = safe_open(self.root / shard, framework="pt", device="cpu")
+        return self._handles[shard]
+
+    def _dequant_fp8(self, t: LogicalTensor) -> torch.Tensor:
+        scale_name = t.name + "_scale_inv"
+        weight = self.read_physical(t.name, t.shard).to(torch.float32)
+        scale = self.read_physical(scale_name, t.parts[scale_name]).to(torch.float32)
+        bh, bw = self.fp8_block_size
+        rows, cols = weight.shape
+        if scale.shape != (-(-rows // bh), -(-cols // bw)):
+            raise QuantkitError(
+                f"{self.root / t.parts[scale_name]}: tensor {scale_name} has shape {list(scale.shape)}, "
+                f"expected {[-(-rows // bh), -(-cols // bw)]} for blocks {bh}x{bw}"
+            )
+        full = scale.repeat_interleave(bh, 0)[:rows].repeat_interleave(bw, 1)[:, :cols]
+        return weight.mul_(full)
+
+    def _dequant_int4(self, t: LogicalTensor) -> torch.Tensor:
+        module = t.name.rsplit(".", 1)[0]
+        packed = self.read_physical(f"{module}.weight_packed", t.parts[f"{module}.weight_packed"])
+        scale = self.read_physical(f"{module}.weight_scale", t.parts[f"{module}.weight_scale"])
+        group = t.shape[1] // scale.shape[1]
+        return dequantize_group(unpack_int4(packed, t.shape), scale, group)
+
+
+def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
+    """Open and fully validate a source directory (config, index, every shard header)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise QuantkitError(f"{root}: not a directory")
+    config = _read_json(root / "config.json")
+    files = _weight_files(root)
+    headers = {f: read_header(root / f) for f in files}
+    _check_index(root, files, headers)
+    source = SourceCheckpoint(root, config, headers)
+    _check_inventory(source)
+    return source
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QuantkitError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QuantkitError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise QuantkitError(f"{path}: expected a JSON object")
+    return value
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """Resolve `rel` under `root`, refusing absolute paths and anything that escapes it."""
+    candidate = (root / rel).resolve()
+    if os.path.isabs(rel) or not candidate.is_relative_to(root.resolve()):
+        raise QuantkitError(f"{root / INDEX_NAME}: file {rel!r} points outside the checkpoint directory")
+    return candidate
+
+
+def _weight_files(root: Path) -> list[str]:
+    """Shard files in index order (or the directory's safetensors files when there is no index)."""
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise QuantkitError(f"{index_path}: no weight_map")
+        files: list[str] = []
+        for rel in weight_map.values():
+            if not isinstance(rel, str):
+                raise QuantkitError(f"{index_path}: weight_map values must be file names")
+            if rel.endswith(PICKLE_SUFFIXES):
+                raise QuantkitError(f"{root / rel}: {_PICKLE_REFUSED}")
+            target = _inside(root, rel)
+            if not target.is_file():
+                raise QuantkitError(f"{index_path}: names file {rel}, which does not exist")
+            if rel not in files:
+                files.append(rel)
+        return files
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        if pickles:
+            raise QuantkitError(f"{root / pickles[0]}: {_PICKLE_REFUSED}")
+        raise QuantkitError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
+    return files
+
+
+def _check_index(root: Path, files: list[str], headers: dict[str, ShardHeader]) -> None:
+    """The index and the shard headers must describe exactly the same tensors."""
+    index_path = root / INDEX_NAME
+    seen: dict[str, str] = {}
+    for f in files:
+        for name in headers[f].tensors:
+            if name in seen:
+                raise QuantkitError(f"{root / f}: tensor {name} is also stored in {seen[name]}")
+            seen[name] = f
+    if not index_path.exists():
+        return
+    weight_map: dict[str, str] = _read_json(index_path)["weight_map"]
+    for name, rel in weight_map.items():
+        if name not in headers[rel].tensors:
+            raise QuantkitError(f"{index_path}: names tensor {name} in {rel}, which does not contain it")
+    for name, f in seen.items():
+        if name not in weight_map:
+            raise QuantkitError(f"{root / f}: holds tensor {name}, which the index does not list (stale index?)")
+
+
+def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
+    """Group physical tensors into logical ones: FP8 pairs and INT4 triples become one `X.weight`."""
+    where: dict[str, tuple[str, HeaderEntry]] = {
+        name: (f, entry) for f, h in headers.items() for name, entry in h.tensors.items()
+    }
+    logical: dict[str, LogicalTensor] = {}
+    absorbed: set[str] = set()
+    for name, (f, entry) in where.items():
+        module, _, param = name.rpartition(".")
+        if param == "weight_packed":
+            parts = {f"{module}.{p}": where[f"{module}.{p}"][0] for p in _INT4_PARTS if f"{module}.{p}" in where}
+            if len(parts) < 3:
+                raise QuantkitError(f"{f}: tensor {name} has no matching weight_scale / weight_shape")
+            shape = _int4_shape(headers, parts, module)
+            absorbed.update(parts)
+            logical[f"{module}.weight"] = LogicalTensor(
+                f"{module}.weight", "int4_packed", shape, entry.dtype, f, parts, _bytes(where, parts)
+            )
+        elif param == "weight" and entry.dtype in _FP8_DTYPES:
+            scale = f"{module}.weight_scale_inv"
+            if scale not in where:
+                raise QuantkitError(f"{f}: FP8 tensor {name} has no {scale}")
+            parts = {name: f, scale: where[scale][0]}
+            absorbed.add(scale)
+            logical[name] = LogicalTensor(name, "fp8_block", entry.shape, entry.dtype, f, parts, _bytes(where, parts))
+    for name, (f, entry) in where.items():
+        if name in absorbed or name in logical:
+            continue
+        if name.endswith("_scale_inv"):
+            raise QuantkitError(f"{f}: {name} has no FP8 weight it belongs to")
+        logical[name] = LogicalTensor(name, "plain", entry.shape, entry.dtype, f, {name: f}, entry.nbytes)
+    return dict(sorted(logical.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _int4_shape(headers: dict[str, ShardHeader], parts: dict[str, str], module: str) -> tuple[int, int]:
+    """The unpacked shape: read `weight_shape` (2 int64) straight from the file; it is tiny."""
+    f = parts[f"{module}.weight_shape"]
+    with safe_open(headers[f].path, framework="pt") as fh:
+        out, inp = (int(v) for v in fh.get_tensor(f"{module}.weight_shape").tolist())
+    packed = headers[parts[f"{module}.weight_packed"]].tensors[f"{module}.weight_packed"].shape
+    if packed != (out, inp // 8):
+        raise QuantkitError(
+            f"{headers[f].path}: {module}.weight_shape {[out, inp]} does not match weight_packed {list(packed)}"
+        )
+    return out, inp
+
+
+def _bytes(where: dict[str, tuple[str, HeaderEntry]], parts: dict[str, str]) -> int:
+    return sum(where[p][1].nbytes for p in parts)
+
+
+def _natural_key(name: str) -> list[Any]:
+    """Sort `layers.2` before `layers.10` so processing follows the model's order."""
+    return [int(tok) if tok.isdigit() else tok for tok in name.split(".")]
+
+
+def _check_inventory(source: SourceCheckpoint) -> None:
+    """Every tensor the config implies must be present with the shape it implies.
+
+    A wholly absent MTP layer is a warning (some re-uploads strip it); a partly absent one is an error.
+    """
+    specs = source.adapter.inventory()
+    mtp_missing = [s.name for s in specs if s.mtp and s.name not in source.logical]
+    if mtp_missing and len(mtp_missing) == sum(s.mtp for s in specs):
+        source.warnings.append("the source has no MTP layer although config.json declares one")
+        specs = [s for s in specs if not s.mtp]
+    for spec in specs:
+        found = source.logical.get(spec.name)
+        if found is None:
+            raise QuantkitError(f"{source.root}: missing tensor {spec.name} (config.json implies it)")
+        if tuple(found.shape) != spec.shape:
+            raise QuantkitError(
+                f"{source.root / found.shard}: tensor {spec.name} has shape {list(found.shape)}, "
+                f"config.json implies {list(spec.shape)}"
+            )
+
+
+def iter_physical(source: SourceCheckpoint) -> Iterator[tuple[str, str, HeaderEntry]]:
+    """(shard, name, header entry) for every stored tensor."""
+    for f, h in source.headers.items():
+        for name, entry in h.tensors.items():
+            yield f, name, entry

@@ -1,0 +1,134 @@
+"""Recipes: what to quantize and how, as a typed model loaded from `recipes/*.yaml` or a user's YAML.
+
+A recipe is chosen by preset name (`glm5-w4a16-g32`), by path, or by default from the architecture in
+config.json; command-line options override its fields. The resolved recipe is written next to the
+output so a run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from quantkit.arch import Role
+from quantkit.errors import QuantkitError
+
+__all__ = ["Recipe", "load_recipe", "parse_size", "RECIPES_DIR", "default_recipe_name"]
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+_DEFAULT_BY_ARCH = {
+    "glm_moe_dsa": "glm5-w4a16-g32",
+    "glm4_moe": "glm4-w4a16-g32",
+    "deepseek_v3": "deepseek-v3-w4a16-g32",
+    "kimi_k2": "kimi-k2-w4a16-g32",
+    "kimi_k25": "kimi-k2-w4a16-g32",
+}
+
+
+class GPTQSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+    block_size: int = Field(128, gt=0)
+    actorder: Literal["static"] | None = "static"
+
+
+class CalibrationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dataset: str | None = "calibration_data/default.jsonl"
+    samples: int = Field(512, gt=0)
+    seq_len: int = Field(2048, gt=0)
+    seed: int = 0
+
+
+class Recipe(BaseModel):
+    """Everything a conversion needs to know besides SRC and OUT."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "custom"
+    architecture: str | None = None
+    method: Literal["rtn", "gptq"] = "rtn"
+    group_size: Literal[32, 64, 128] = 32
+    quantize_roles: list[Role] = [Role.ROUTED_EXPERT]
+    scale_search: Literal["minmax", "mse"] = "minmax"
+    gptq: GPTQSettings = GPTQSettings()
+    calibration: CalibrationSettings = CalibrationSettings()
+    kv_cache: Literal["fp8"] | None = None
+    max_shard_size: str = "5GB"
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size_parses(cls, value: str) -> str:
+        parse_size(value)
+        return value
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.max_shard_size)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method == "gptq" or self.kv_cache is not None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise QuantkitError(f"bad size {text!r} (use e.g. 5GB, 500MB, 2GiB)")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
+    base = 1024 if binary else 1000
+    size = int(number * base ** "_KMGT".index(unit or "_"))
+    if size <= 0:
+        raise QuantkitError(f"bad size {text!r}: must be positive")
+    return size
+
+
+def default_recipe_name(config: dict[str, Any]) -> str:
+    """The preset for an architecture (Kimi configs carry the deepseek_v3 text model)."""
+    model_type = config.get("model_type", "")
+    text_type = (config.get("text_config") or {}).get("model_type", "")
+    for key in (model_type, text_type):
+        if key in _DEFAULT_BY_ARCH:
+            return _DEFAULT_BY_ARCH[key]
+    raise QuantkitError(f"config.json: no default recipe for model_type {model_type!r}; pass --recipe")
+
+
+def load_recipe(spec: str | None, config: dict[str, Any], overrides: dict[str, Any] | None = None) -> Recipe:
+    """Load a preset name or YAML path (or the architecture default), then apply CLI overrides."""
+    name = spec or default_recipe_name(config)
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml") and path.exists()):
+        path = RECIPES_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+        raise QuantkitError(f"recipe {name!r} not found (presets: {known}; or pass a YAML path)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise QuantkitError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+    data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise QuantkitError(f"{path}: {where}: {first['msg']}") from None
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Apply dotted overrides like {'calibration.samples': 64} to a nested dict."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in overrides.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
