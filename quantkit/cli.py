@@ -42,7 +42,8 @@ _register_all()
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit 2, never a traceback."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns typer.Exit codes instead of raising here
+        sys.exit(code if isinstance(code, int) else 0)
     except QuantkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -53,13 +54,11 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except SystemExit:
         raise
-    except Exception as exc:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+    except Exception as exc:
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click/typer usage errors
             exc.show()
             sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
+        if type(exc).__name__ == "Abort":
             sys.exit(130)
         print(f"internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -28,7 +28,7 @@ from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader, rea
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import dequantize_group, unpack_int4
 
-__all__ = ["LogicalTensor", "SourceCheckpoint", "open_source", "PICKLE_SUFFIXES"]
+__all__ = ["LogicalTensor", "SourceCheckpoint", "open_source", "read_json", "PICKLE_SUFFIXES", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -179,7 +179,7 @@ def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
     root = Path(path)
     if not root.is_dir():
         raise QuantkitError(f"{root}: not a directory")
-    config = _read_json(root / "config.json")
+    config = read_json(root / "config.json")
     files = _weight_files(root)
     headers = {f: read_header(root / f) for f in files}
     _check_index(root, files, headers)
@@ -188,11 +188,13 @@ def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
     return source
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QuantkitError(f"{path}: missing") from None
+    except OSError as exc:
+        raise QuantkitError(f"{path}: cannot read ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise QuantkitError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
@@ -213,7 +215,7 @@ def _weight_files(root: Path) -> list[str]:
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
     index_path = root / INDEX_NAME
     if index_path.exists():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise QuantkitError(f"{index_path}: no weight_map")
         files: list[str] = []
@@ -247,7 +249,7 @@ def _check_index(root: Path, files: list[str], headers: dict[str, ShardHeader]) 
             seen[name] = f
     if not index_path.exists():
         return
-    weight_map: dict[str, str] = _read_json(index_path)["weight_map"]
+    weight_map: dict[str, str] = read_json(index_path)["weight_map"]
     for name, rel in weight_map.items():
         if name not in headers[rel].tensors:
             raise QuantkitError(f"{index_path}: names tensor {name} in {rel}, which does not contain it")

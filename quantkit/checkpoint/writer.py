@@ -65,7 +65,8 @@ class StreamingShardWriter:
         header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for t in self.planned:
-            header[t.name] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            span = [offset, offset + t.nbytes]
+            header[t.name] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": span}
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment

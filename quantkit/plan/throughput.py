@@ -1,0 +1,328 @@
+"""A throughput *model* for decode and prefill, calibrated on the production GLM-5.2 figures.
+
+It is a model, not a measurement. Decode at small batch is bound by memory traffic plus fixed
+per-step costs, so one decode step is modelled as
+
+    t_step = layers * t_layer                      fixed per-layer cost (launches, all-reduces)
+           + fp8_calls * t_fp8_call                extra cost of each FP8 block-scaled Linear call
+           + bytes_read / (bandwidth * eff_bw)     weights touched + KV read
+           + flops / (peak * eff_compute)          matters only at large batch
+
+where `bytes_read` counts the weights every step reads (attention, shared experts, dense MLPs,
+lm_head, as SGLang shards them) plus the routed experts the batch activates: with uniform routing
+a batch of b tokens touches E * (1 - (1 - k/E)^b) distinct experts per MoE layer. Prefill is
+compute-bound: per token, Linear FLOPs at the weights' tensor-core rate (INT4 runs W4A16 at the
+BF16 rate, times 1 + a dequant penalty) plus attention FLOPs, plus a fixed per-layer cost.
+
+`t_layer` and `t_fp8_call` are fitted to the report's 60 (FP8) and 92 (INT4) tok/s at one request;
+the dequant penalty and the prefill per-layer cost to its 10,160 / 8,660 prefill tok/s. The
+efficiencies are priors, not fits. The 8- and 32-request gains are predictions, reported with
+their error in docs/benchmarks/planner.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from quantkit.arch import Adapter, Role, get_adapter
+from quantkit.errors import QuantkitError
+from quantkit.plan.catalog import GPU, get_gpu
+from quantkit.plan.inventory import PrecisionPlan, native_plan, size_model
+from quantkit.plan.kv import kv_layer_bytes
+from quantkit.plan.memory import shard_divisor
+from quantkit.plan.models import resolve_model
+
+__all__ = [
+    "PRODUCTION",
+    "DecodeFit",
+    "PrefillFit",
+    "StepProfile",
+    "decode_gain",
+    "decode_step_seconds",
+    "decode_tok_s",
+    "fit_decode",
+    "fit_prefill",
+    "prefill_tok_s",
+    "step_profile",
+]
+
+# The production report's figures (GLM-5.2, 8 x H200, TP8, SGLang). Context lengths are not
+# stated there; the model assumes 8192 tokens for both.
+PRODUCTION: dict[str, Any] = {
+    "model": "glm-5.2",
+    "gpu": "h200",
+    "tp": 8,
+    "context": 8192,
+    "decode_tok_s_1": {"fp8": 60.0, "int4": 92.0},
+    "decode_gain": {1: 0.55, 8: 0.21, 32: 0.27},
+    "prefill_tok_s": {"fp8": 10160.0, "int4": 8660.0},
+}
+EFF_BANDWIDTH = 0.70  # prior: achieved share of peak HBM bandwidth by decode GEMV / grouped-GEMM kernels
+EFF_COMPUTE = 0.50  # prior: achieved share of dense tensor-core peak, decode and prefill GEMMs
+# prior: Marlin W4A16 on Hopper reaches ~2.2x over BF16 at batch 1 where bytes allow 3.56x (g=32), so
+# INT4 weights stream at 2.2 / 3.56 of the BF16 kernels' bandwidth efficiency.
+INT4_STREAM_RATIO = 2.2 / 3.56
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """Fitted decode constants (seconds)."""
+
+    t_layer: float
+    t_fp8_call: float
+    eff_bandwidth: float = EFF_BANDWIDTH
+    eff_compute: float = EFF_COMPUTE
+    int4_stream_ratio: float = INT4_STREAM_RATIO
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Fitted prefill constants: INT4 dequant penalty (fraction of GEMM time) and seconds per layer-token."""
+
+    int4_dequant_penalty: float
+    t_layer_token: float
+    eff_compute: float = EFF_COMPUTE
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What one GPU reads and computes per decode step, for one model, plan and TP degree."""
+
+    tp: int
+    layers: int
+    moe_layers: int
+    n_experts: int
+    top_k: int
+    static_bytes: float  # read every step whatever the batch
+    expert_bytes: float  # one routed expert (all projections) on one GPU
+    expert_fmt: str  # storage format of the routed experts (int4 streams slower, see INT4_STREAM_RATIO)
+    fp8_calls: int  # FP8 block-scaled Linear calls per step
+    flops_per_token: dict[str, float]  # Linear FLOPs per token on one GPU, by compute dtype
+    kv_layer: int  # KV bytes per token per attention layer on one GPU
+    indexer_layer: int  # DSA indexer-cache bytes per token per layer (0 if none)
+    indexer_layers: int
+    index_topk: int  # DSA: KV rows attention reads per request (0 = all)
+    attn_flops_per_pos: float  # attention FLOPs per (token, past position), whole model, all GPUs
+
+
+def _compute_dtype(fmt: str) -> str:
+    return "fp8" if fmt == "fp8" else "int4" if fmt == "int4" else "bf16"
+
+
+def _attention_flops_per_pos(text: dict[str, Any], adapter: Adapter) -> float:
+    heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
+    if adapter.kv_layout == "gqa":
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        return 4.0 * heads * head_dim * layers
+    qk = int(text["qk_nope_head_dim"]) + int(text["qk_rope_head_dim"])
+    return 2.0 * heads * (qk + int(text["v_head_dim"])) * layers
+
+
+_PROFILES: dict[tuple[str, PrecisionPlan, int, str], StepProfile] = {}
+
+
+def step_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
+    """Per-GPU bytes and FLOPs of one decode step (target model only; MTP layers excluded)."""
+    key = (json.dumps(config, sort_keys=True), plan, tp, kv)
+    if key not in _PROFILES:
+        _PROFILES[key] = _build_profile(config, plan, tp, kv)
+    return _PROFILES[key]
+
+
+def _build_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
+    adapter = get_adapter(config)
+    text = adapter.config
+    static = 0.0
+    expert_total, expert_count, moe_layer_set = 0.0, 0, set()
+    flops: dict[str, float] = {"bf16": 0.0, "fp8": 0.0, "int4": 0.0}
+    fp8_calls = 0
+    expert_fmt = "bf16"
+    top_k = int(text.get("num_experts_per_tok") or 0)
+    for t in size_model(config, plan):
+        if t.mtp or t.role in (Role.EMBEDDING, Role.OTHER) or len(t.shape) != 2:
+            continue
+        share = t.nbytes / shard_divisor(t, adapter, tp, False)
+        params = t.count * t.shape[0] * t.shape[1] / shard_divisor(t, adapter, tp, False)
+        if t.role == Role.ROUTED_EXPERT:
+            expert_total += share
+            moe_layer_set.add(t.layer)
+            expert_fmt = t.fmt
+            flops[_compute_dtype(t.fmt)] += 2.0 * params * top_k / int(text["n_routed_experts"])
+            continue
+        static += share
+        flops[_compute_dtype(t.fmt)] += 2.0 * params
+        fp8_calls += t.fmt == "fp8"
+    moe_layers = len(moe_layer_set)
+    n_experts = int(text.get("n_routed_experts") or 0)
+    expert_count = moe_layers * n_experts
+    if plan.weights == "fp8" and moe_layers:
+        fp8_calls += 2 * moe_layers  # fused gate_up + down grouped GEMMs
+    per_layer = kv_layer_bytes(text, adapter.kv_layout, kv, tp)
+    types = text.get("indexer_types")
+    layers = adapter.num_layers
+    indexer_layers = sum(1 for x in types if x == "full") if isinstance(types, list) and types else layers
+    return StepProfile(
+        tp=tp,
+        layers=layers,
+        moe_layers=moe_layers,
+        n_experts=n_experts,
+        top_k=top_k,
+        static_bytes=static,
+        expert_bytes=expert_total / max(1, expert_count),
+        expert_fmt=expert_fmt,
+        fp8_calls=fp8_calls,
+        flops_per_token=flops,
+        kv_layer=per_layer["kv"],
+        indexer_layer=per_layer["indexer"],
+        indexer_layers=indexer_layers if per_layer["indexer"] else 0,
+        index_topk=int(text.get("index_topk") or 0) if adapter.kv_layout == "dsa" else 0,
+        attn_flops_per_pos=_attention_flops_per_pos(text, adapter),
+    )
+
+
+def distinct_experts(n_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts a batch activates in one MoE layer under uniform routing."""
+    if n_experts == 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
+
+
+def _kv_read_bytes(p: StepProfile, batch: int, context: int) -> float:
+    attended = min(context, p.index_topk) if p.index_topk else context
+    per_request = attended * p.kv_layer * p.layers + context * p.indexer_layer * p.indexer_layers
+    return float(batch * per_request)
+
+
+def _variable_seconds(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit) -> float:
+    """Bandwidth and compute time of one step (everything but the fixed costs)."""
+    experts = distinct_experts(p.n_experts, p.top_k, batch) * p.moe_layers * p.expert_bytes
+    if p.expert_fmt == "int4":
+        experts /= fit.int4_stream_ratio
+    read = p.static_bytes + experts + _kv_read_bytes(p, batch, context)
+    t = read / (gpu.bandwidth_bytes_s * fit.eff_bandwidth)
+    for dtype, f in p.flops_per_token.items():
+        t += batch * f / (gpu.flops("fp8" if dtype == "fp8" else "bf16") * fit.eff_compute)
+    return t
+
+
+def _step(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit) -> float:
+    fixed = p.layers * fit.t_layer + p.fp8_calls * fit.t_fp8_call
+    return fixed + _variable_seconds(p, gpu, batch, context, fit)
+
+
+@lru_cache(maxsize=1)
+def fit_decode() -> DecodeFit:
+    """Solve t_layer and t_fp8_call so that the model gives the report's 60 / 92 tok/s at one request."""
+    prod = PRODUCTION
+    config = resolve_model(prod["model"]).config
+    gpu = get_gpu(prod["gpu"])
+    base = DecodeFit(0.0, 0.0)
+    rows = []
+    for weights in ("fp8", "int4"):
+        p = step_profile(config, PrecisionPlan(weights), prod["tp"], "fp8")
+        target = 1.0 / prod["decode_tok_s_1"][weights]
+        rows.append((p.layers, p.fp8_calls, target - _variable_seconds(p, gpu, 1, prod["context"], base)))
+    (a1, b1, c1), (a2, b2, c2) = rows
+    det = a1 * b2 - a2 * b1
+    if det == 0:
+        raise QuantkitError("decode fit: the FP8 and INT4 plans have the same FP8 call count")
+    fit = DecodeFit(t_layer=(c1 * b2 - c2 * b1) / det, t_fp8_call=(a1 * c2 - a2 * c1) / det)
+    _check_positive(fit)
+    return fit
+
+
+def _prefill_parts(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> dict:
+    """Node-wide seconds per prefilled token: GEMMs by dtype and attention, before fitted terms."""
+    p = step_profile(config, plan, tp, "bf16")
+    eff = EFF_COMPUTE
+    gemm = {
+        d: tp * f / (gpu.flops("fp8" if d == "fp8" else "bf16") * eff * tp)
+        for d, f in p.flops_per_token.items()
+    }
+    mean_pos = context / 2.0
+    attended = min(mean_pos, p.index_topk) if p.index_topk else mean_pos
+    attention = p.attn_flops_per_pos * attended / (gpu.flops("bf16") * eff * tp)
+    return {"gemm": gemm, "attention": attention, "layers": p.layers}
+
+
+@lru_cache(maxsize=1)
+def fit_prefill() -> PrefillFit:
+    """Solve the INT4 dequant penalty and the per-layer-token cost from 10,160 / 8,660 tok/s."""
+    prod = PRODUCTION
+    config = resolve_model(prod["model"]).config
+    gpu = get_gpu(prod["gpu"])
+    fp8 = _prefill_parts(config, PrecisionPlan("fp8"), gpu, prod["tp"], prod["context"])
+    int4 = _prefill_parts(config, PrecisionPlan("int4"), gpu, prod["tp"], prod["context"])
+    t8 = 1.0 / prod["prefill_tok_s"]["fp8"] - sum(fp8["gemm"].values()) - fp8["attention"]
+    t_layer_token = t8 / fp8["layers"]
+    rest = 1.0 / prod["prefill_tok_s"]["int4"] - sum(int4["gemm"].values()) - int4["attention"]
+    rest -= t_layer_token * int4["layers"]
+    penalty = rest / int4["gemm"]["int4"] if int4["gemm"]["int4"] else 0.0
+    return PrefillFit(int4_dequant_penalty=penalty, t_layer_token=t_layer_token)
+
+
+def prefill_tok_s(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> float:
+    """Modelled prefill throughput of the whole TP group (tokens/s)."""
+    fit = fit_prefill()
+    parts = _prefill_parts(config, plan, gpu, tp, context)
+    gemm = parts["gemm"]
+    t = gemm["bf16"] + gemm["fp8"] + gemm["int4"] * (1.0 + fit.int4_dequant_penalty)
+    t += parts["attention"] + fit.t_layer_token * parts["layers"]
+    return 1.0 / t
+
+
+def decode_tok_s(
+    config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, batch: int, context: int, kv: str
+) -> float:
+    """Modelled aggregate decode throughput (tokens/s) of `batch` requests at `context` tokens."""
+    p = step_profile(config, plan, tp, kv)
+    return batch / _step(p, gpu, batch, context, fit_decode())
+
+
+def _plan_for(config: dict[str, Any], weights: str) -> PrecisionPlan:
+    if weights == "native":
+        return native_plan(config)
+    if weights not in ("bf16", "fp8", "int4"):
+        raise QuantkitError(f"weights {weights!r}: expected native, bf16, fp8 or int4")
+    return PrecisionPlan(weights)
+
+
+def decode_step_seconds(
+    model: str,
+    gpu: str = "h200",
+    tp: int = 8,
+    batch: int = 1,
+    context: int = 8192,
+    weights: str = "int4",
+    kv: str = "fp8",
+) -> float:
+    """Modelled seconds of one decode step of `batch` requests at `context` tokens each.
+
+    `model` is a bundled name (`glm-5.2`, `kimi-k2.6`, ...) or a path to a config.json / checkpoint.
+    """
+    if batch < 1 or context < 1 or tp < 1:
+        raise QuantkitError("decode_step_seconds: batch, context and tp must be >= 1")
+    return _step(_named_profile(model, tp, weights, kv), get_gpu(gpu), batch, context, fit_decode())
+
+
+@lru_cache(maxsize=256)
+def _named_profile(model: str, tp: int, weights: str, kv: str) -> StepProfile:
+    """Step profile by model name (cached: other code calls decode_step_seconds in loops)."""
+    config = resolve_model(model).config
+    return step_profile(config, _plan_for(config, weights), tp, kv)
+
+
+def decode_gain(model: str, batch: int, gpu: str = "h200", tp: int = 8, context: int = 8192) -> float:
+    """Modelled INT4-vs-FP8 decode speed-up at `batch` requests (0.55 = +55%), FP8 KV both."""
+    fp8 = decode_step_seconds(model, gpu, tp, batch, context, "fp8", "fp8")
+    int4 = decode_step_seconds(model, gpu, tp, batch, context, "int4", "fp8")
+    return fp8 / int4 - 1.0
+
+
+def _check_positive(fit: DecodeFit) -> None:
+    if not (fit.t_layer > 0 and fit.t_fp8_call > 0 and math.isfinite(fit.t_layer)):
+        raise QuantkitError(f"decode fit produced non-physical constants {fit}")

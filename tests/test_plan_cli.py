@@ -1,0 +1,99 @@
+"""`quantkit plan` and `quantkit report` from the command line: JSON fields, text, user errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from quantkit.errors import QuantkitError
+from quantkit.plan.commands import register
+
+# The planner's commands on their own app: quantkit.cli would also import the kernels (torch).
+app = typer.Typer()
+register(app, typer.Typer(), typer.Typer())
+
+REQUIRED = {
+    "checkpoint_bytes",
+    "weights_per_gpu_bytes",
+    "kv_bytes_per_token_per_gpu",
+    "kv_capacity_tokens",
+    "max_concurrent_requests",
+    "decode_tok_s",
+    "prefill_tok_s",
+    "assumptions",
+}
+
+
+def test_plan_json_has_the_documented_fields() -> None:
+    result = CliRunner().invoke(
+        app, ["plan", "glm-5.2", "--gpu", "h200", "--tp", "8", "--weights", "int4", "--kv", "fp8", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output)
+    assert REQUIRED <= set(row)
+    assert row["weights"] == "int4-g32" and row["kv"] == "fp8"
+    assert row["assumptions"]["mem_fraction"] == 0.88 and row["assumptions"]["context"] == 32768
+
+
+def test_compare_json_is_a_list_of_six_plans() -> None:
+    result = CliRunner().invoke(app, ["plan", "kimi-k2.6", "--compare", "--json", "--mem-fraction", "0.85"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert len(rows) == 6 and all(REQUIRED | {"weights", "kv"} <= set(r) for r in rows)
+    assert {r["assumptions"]["mem_fraction"] for r in rows} == {0.85}
+
+
+def test_text_output_prints_units_assumptions_and_recommendation() -> None:
+    result = CliRunner().invoke(app, ["plan", "glm-5.2", "--compare"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "GiB" in out and "mem_fraction" in out and "headroom_tokens" in out
+    assert "prefill: weights fp8 + KV bf16" in out
+    assert "decode: weights int4-g32 + KV fp8" in out
+    assert "--kv-cache-dtype fp8_e4m3" in out and "--disaggregation-mode decode" in out
+    single = CliRunner().invoke(app, ["plan", "glm-5.2", "--weights", "int4", "--kv", "fp8"]).output
+    assert "452.0 GB" in single and "420.9 GiB" in single
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "glm-5.2", "--gpu", "tpu9"], "tpu9"),
+        (["plan", "/nonexistent/config.json"], "/nonexistent/config.json"),
+        (["plan", "glm-5.2", "--weights", "int3"], "int3"),
+        (["report", "/nonexistent"], "/nonexistent"),
+    ],
+)
+def test_bad_input_is_a_one_line_user_error(argv: list[str], needle: str) -> None:
+    # quantkit.cli.main turns QuantkitError into "error: <message>" and exit status 2.
+    result = CliRunner().invoke(app, argv)
+    assert isinstance(result.exception, QuantkitError), result.output
+    message = str(result.exception)
+    assert needle in message and "\n" not in message
+
+
+def test_ep_dp_attention_and_shared_expert_flags_reach_the_launch_commands(tmp_path) -> None:
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(
+        "gpus:\n  big: {memory_mib: 300000, bandwidth_tbs: 8, bf16_tflops: 2000, fp8_tflops: 4000}\n"
+    )
+    args = [
+        "plan",
+        "deepseek-v3",
+        "--compare",
+        "--ep",
+        "--dp-attention",
+        "--gpu",
+        "big",
+        "--gpu-file",
+        str(gpus),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "--ep-size 8" in out and "--enable-dp-attention --dp-size 8" in out
+    assert "decode: weights int4-g32 + KV fp8" in out and "--disable-shared-experts-fusion" in out
+    assert "gpu_memory_mib                 300000" in out
