@@ -12,13 +12,20 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from quantkit.errors import QuantkitError
 
-__all__ = ["DTYPE_BYTES", "HeaderEntry", "ShardHeader", "read_header"]
+__all__ = ["DTYPE_BYTES", "HeaderEntry", "ShardHeader", "ST_TO_TORCH", "read_header"]
 
 DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
     "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1,
+}
+ST_TO_TORCH = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 

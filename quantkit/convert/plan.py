@@ -12,18 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.arch import Role
+from quantkit.checkpoint.safetensors_header import ST_TO_TORCH
 from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
 from quantkit.checkpoint.writer import PlannedTensor
 from quantkit.quant.int4 import check_group_size
 from quantkit.recipe import Recipe
 
-__all__ = ["TensorPlan", "plan_conversion", "ST_TO_TORCH"]
+__all__ = ["TensorPlan", "plan_conversion"]
 
-ST_TO_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 # Why each action happens; written into quantkit.json next to every tensor.
 REASONS = {

@@ -106,12 +106,15 @@ def _transform(
 def _quantize_rtn(source: SourceCheckpoint, plan: TensorPlan, recipe: Recipe) -> PackedInt4:
     """RTN in the model dtype's arithmetic (bit-identical to compressed-tensors for `minmax`)."""
     dtype = source.model_dtype
-    weight = source.read(plan.name, torch.float32).to(dtype).float()  # the value a BF16 copy would hold
+    weight = source.read(plan.name, torch.float32, check_finite=False)
     if recipe.scale_search == "mse":
+        weight = weight.to(dtype).float()  # the value a BF16 copy would hold
         scale = mse_group_scales(weight, recipe.group_size, dtype)
-        q = quantize_group(weight, scale, recipe.group_size, dtype)
-        return pack_int4(q, scale.to(dtype))
-    q, scale = quantize_rtn(weight, recipe.group_size, dtype)
+        q, scale = quantize_group(weight, scale, recipe.group_size, dtype), scale.to(dtype)
+    else:
+        q, scale = quantize_rtn(weight, recipe.group_size, dtype)
+    if not torch.isfinite(scale).all():  # NaN/Inf anywhere in a group reaches its scale
+        raise QuantkitError(f"{source.root / plan.source.shard}: tensor {plan.name} contains NaN or Inf values")
     return pack_int4(q, scale)
 
 

@@ -10,6 +10,7 @@ ops would: the result is bit-identical and ~4x faster. Packing is compressed-ten
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "group_scales",
     "mse_group_scales",
     "pack_int4",
+    "pack_nibbles",
     "quantize_group",
     "quantize_rtn",
     "unpack_int4",
@@ -67,8 +69,12 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def group_scales(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Per-group symmetric scales `[out, in/group]` (fp32 values representable in `scale_dtype`)."""
-    absmax = w.float().unflatten(-1, (-1, group_size)).abs().amax(dim=-1)
+    """Per-group symmetric scales `[out, in/group]` (fp32 values representable in `scale_dtype`).
+
+    NaN and Inf in a group propagate into its scale, so callers check the (small) scale for finiteness.
+    """
+    grouped = w.float().unflatten(-1, (-1, group_size))
+    absmax = torch.maximum(grouped.amax(dim=-1), grouped.amin(dim=-1).neg_())  # no full-size abs() copy
     scale = _round_to(absmax / _HALF_RANGE, scale_dtype)
     eps = torch.finfo(scale_dtype).eps
     return torch.where(scale == 0, torch.full_like(scale, eps), scale)
@@ -78,8 +84,9 @@ def quantize_group(
     w: torch.Tensor, scale: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """int8 codes in [-8, 7] of `w` `[out, in]` with per-group `scale` `[out, in/group]`."""
-    grouped = w.float().unflatten(-1, (-1, group_size))
-    scaled = _round_to(grouped / scale.float().unsqueeze(-1), scale_dtype)
+    scaled = w.float().unflatten(-1, (-1, group_size)) / scale.float().unsqueeze(-1)
+    if scale_dtype != torch.float32:
+        scaled = scaled.to(scale_dtype)  # round() and clamp() are exact on these values, so stay in scale_dtype
     return scaled.round_().clamp_(QMIN, QMAX).flatten(-2).to(torch.int8)
 
 
@@ -110,7 +117,11 @@ def mse_group_scales(
 def quantize_rtn(
     w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest INT4: (int8 codes `[out, in]`, scales `[out, in/group]` in `scale_dtype`)."""
+    """Round-to-nearest INT4: (int8 codes `[out, in]`, scales `[out, in/group]` in `scale_dtype`).
+
+    `w` is first rounded to `scale_dtype`: the value a checkpoint in that dtype would hold.
+    """
+    w = _round_to(w.float(), scale_dtype)
     scale = group_scales(w, group_size, scale_dtype)
     return quantize_group(w, scale, group_size, scale_dtype), scale.to(scale_dtype)
 
@@ -121,10 +132,22 @@ def dequantize_group(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> t
     return grouped.flatten(-2)
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' 4-bit `pack_to_int32` layout, ~5x faster: two nibbles per byte, four bytes per word.
+
+    Element 8k+i sits in bits [4i, 4i+4) of word k; on a little-endian machine that is byte-wise packing
+    (low nibble first) viewed as int32. Elsewhere we defer to compressed-tensors. Tests check both agree.
+    """
+    if sys.byteorder != "little" or q.shape[-1] % 8:
+        return pack_to_int32(q.to(torch.int8), num_bits=4)
+    u = (q.to(torch.int8) + 8).view(torch.uint8)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous().view(torch.int32)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> PackedInt4:
     """Pack int8 codes into compressed-tensors' int32 layout."""
     return PackedInt4(
-        weight_packed=pack_to_int32(q.to(torch.int8), num_bits=4),
+        weight_packed=pack_nibbles(q),
         weight_scale=scale.contiguous(),
         weight_shape=torch.tensor(list(q.shape), dtype=torch.int64),
     )

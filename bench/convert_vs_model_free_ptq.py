@@ -1,0 +1,171 @@
+"""quantkit convert vs llm-compressor model_free_ptq on a generated GLM-5-shaped FP8-block checkpoint.
+
+Same source, same scheme (W4A16 symmetric group 32 on the routed experts), same FP8 dequantizer role,
+same number of worker processes and threads; each tool runs in a fresh process while a sampler sums the
+resident memory of its whole process tree every 20 ms. Prints a Markdown table of source GB/s and
+peak RSS, both absolute and as quantkit/peer ratios, and checks the two outputs are bit-identical.
+
+    python bench/convert_vs_model_free_ptq.py --size bench --shards 8 --workers 2 --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# GLM-5 tensor names and layout, shapes scaled so that the routed experts are whole 128x128 FP8 blocks
+# (the peer's dequantizer cannot save partial-block tensors, see docs/benchmarks.md).
+BENCH_CONFIG = dict(hidden_size=2048, moe_intermediate_size=1024, intermediate_size=4096, n_routed_experts=48,
+                    num_hidden_layers=6, num_attention_heads=16, vocab_size=16384, q_lora_rank=1024,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    index_n_heads=4, index_head_dim=128)
+
+PEER = r"""
+import json, sys, torch
+torch.set_num_threads(int(sys.argv[4]))
+from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from llmcompressor import model_free_ptq
+src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+index = json.load(open(src + "/model.safetensors.index.json"))["weight_map"]
+fp8 = [n[: -len(".weight_scale_inv")] for n in index if n.endswith(".weight_scale_inv")]
+experts = [m for m in fp8 if ".mlp.experts." in m]
+scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], weights=QuantizationArgs(
+    num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+conv = FP8BlockDequantizer(targets=experts, ignore=[m for m in fp8 if m not in experts], weight_block_size=(128, 128))
+model_free_ptq(src, out, scheme=scheme, ignore=[], max_workers=workers, converter=conv)
+"""
+
+OURS = r"""
+import sys, torch
+torch.set_num_threads(int(sys.argv[4]))
+from quantkit.convert import convert
+from quantkit.recipe import load_recipe
+convert(sys.argv[1], sys.argv[2], load_recipe("glm5-w4a16-g32", {}), workers=int(sys.argv[3]))
+"""
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of `root` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    total, stack = 0, [root]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while stack:
+        pid = stack.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            pass
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def run_measured(code: str, args: list[str], threads: int) -> dict[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, *args, str(threads)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, err = proc.communicate()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark run failed:\n{err[-3000:]}")
+    return {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak[0]}
+
+
+def compare_outputs(a: Path, b: Path) -> int:
+    """Number of packed/scale tensors that differ between the two outputs (0 = bit-identical)."""
+    import torch
+    from safetensors import safe_open
+
+    def tensors(d: Path) -> dict[str, tuple[Path, str]]:
+        out = {}
+        for f in d.glob("*.safetensors"):
+            with safe_open(f, "pt") as fh:
+                out.update({k: (f, k) for k in fh.keys() if k.endswith((".weight_packed", ".weight_scale"))})
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    assert ta.keys() == tb.keys() and ta, "the two outputs quantized different modules"
+    differ = 0
+    for k in ta:
+        with safe_open(ta[k][0], "pt") as fa, safe_open(tb[k][0], "pt") as fb:
+            differ += not torch.equal(fa.get_tensor(k), fb.get_tensor(k))
+    return differ
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (both tools)")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+
+    import shutil
+
+    from quantkit.checkpoint.safetensors_header import read_header
+    from quantkit.synth import make_checkpoint
+
+    work = args.out / "convert"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t = time.perf_counter()
+    src = make_checkpoint(work / "src", "glm_moe_dsa", "fp8", size="tiny", shards=args.shards,
+                          config_overrides={**BENCH_CONFIG, "num_hidden_layers": args.layers})
+    shards = [read_header(p).file_size for p in src.glob("*.safetensors")]
+    source_bytes = sum(shards)
+    print(f"generated {source_bytes / 1e9:.2f} GB in {len(shards)} shards (largest {max(shards) / 1e9:.2f} GB) "
+          f"in {time.perf_counter() - t:.0f}s")
+
+    peer = run_measured(PEER, [str(src), str(work / "peer"), str(args.workers)], args.threads)
+    ours = run_measured(OURS, [str(src), str(work / "ours"), str(args.workers)], args.threads)
+    differ = compare_outputs(work / "peer", work / "ours")
+    rows = {}
+    for name, r in (("llm-compressor model_free_ptq", peer), ("quantkit convert", ours)):
+        rows[name] = {"seconds": round(r["seconds"], 2), "source_GB_per_s": round(source_bytes / r["seconds"] / 1e9, 4),
+                      "peak_rss_GB": round(r["peak_rss_bytes"] / 1e9, 3),
+                      "peak_rss_per_worker_over_largest_shard": round(r["peak_rss_bytes"] / args.workers / max(shards), 3)}
+    result = {"source_bytes": source_bytes, "shards": len(shards), "largest_shard_bytes": max(shards),
+              "workers": args.workers, "threads_per_worker": args.threads, "tensors_that_differ": differ,
+              "throughput_ratio": round(peer["seconds"] / ours["seconds"], 2),
+              "peak_rss_ratio": round(ours["peak_rss_bytes"] / peer["peak_rss_bytes"], 3), "runs": rows}
+    (args.out / "convert_vs_model_free_ptq.json").write_text(json.dumps(result, indent=2))
+    print("| tool | wall s | source GB/s | peak RSS (tree) | RSS per worker / largest shard |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['seconds']} | {r['source_GB_per_s']} | {r['peak_rss_GB']} GB | "
+              f"{r['peak_rss_per_worker_over_largest_shard']} |")
+    print(f"\nquantkit / peer throughput: {result['throughput_ratio']}x; peak RSS ratio {result['peak_rss_ratio']}; "
+          f"packed/scale tensors that differ: {differ}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
