@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-
 __all__ = ["build_quantization_config", "FP8_KV_CACHE_SCHEME"]
 
 FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -18,6 +16,8 @@ FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dy
 
 def build_quantization_config(group_size: int, ignore: list[str], kv_cache: bool = False) -> dict[str, Any]:
     """A W4A16 pack-quantized config (plus the FP8 KV scheme when KV scales are written)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
     weights = QuantizationArgs(
         num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
         dynamic=False, actorder=None, observer="minmax",

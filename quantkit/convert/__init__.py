@@ -184,23 +184,32 @@ def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Any, 
             convert_shard(source, job, calibration, on_bytes=report.advance)
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
-    ctx = get_context("spawn")
-    with ctx.Manager() as manager:
-        queue = manager.Queue()
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
-                                 initargs=(source, calibration, queue, threads)) as pool:
-            pending: set[Future[dict[str, Any]]] = {pool.submit(_worker_job, job) for job in jobs}
-            try:
-                while pending:
-                    finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                    while not queue.empty():
-                        report.advance(queue.get())
-                    for future in finished:
-                        future.result()  # re-raise a worker's QuantkitError here
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise
+    ctx = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
+    queue = ctx.Queue()  # progress in bytes, tensor by tensor
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
+                             initargs=(source, calibration, queue, threads)) as pool:
+        pending: set[Future[dict[str, Any]]] = {pool.submit(_worker_job, job) for job in jobs}
+        try:
+            while pending:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(queue, report)
+                for future in finished:
+                    future.result()  # re-raise a worker's QuantkitError here
+            _drain(queue, report)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+
+
+def _drain(queue: Any, report: Reporter) -> None:
+    from queue import Empty
+
+    while True:
+        try:
+            report.advance(queue.get_nowait())
+        except Empty:
+            return
 
 
 # ---- metadata -----------------------------------------------------------------------------------

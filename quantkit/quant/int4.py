@@ -4,8 +4,9 @@ compressed-tensors computes the scale and the quantized values in the weight's o
 BF16 and FP8-block sources): `scale = absmax / 7.5`, `q = clamp(round(w / scale), -8, 7)`, a zero
 scale becomes the dtype's eps. bf16 arithmetic is slow on CPUs without AVX512-BF16, so we compute in
 fp32 and round the two intermediates (scale and w/scale) to the model dtype exactly where torch's bf16
-ops would: the result is bit-identical and ~4x faster. Packing is compressed-tensors' own
-`pack_to_int32` (offset-binary nibbles, lowest first, along the input dim).
+ops would: the result is bit-identical and ~4x faster. Packing follows compressed-tensors' own
+`pack_to_int32` (offset-binary nibbles, lowest first, along the input dim); for 4 bits a byte-wise
+equivalent is ~5x faster and is tested against it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from compressed_tensors.compressors.pack_quantized import pack_to_int32, unpack_from_int32
 
 from quantkit.errors import QuantkitError
 
@@ -139,6 +139,8 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     (low nibble first) viewed as int32. Elsewhere we defer to compressed-tensors. Tests check both agree.
     """
     if sys.byteorder != "little" or q.shape[-1] % 8:
+        from compressed_tensors.compressors.pack_quantized import pack_to_int32
+
         return pack_to_int32(q.to(torch.int8), num_bits=4)
     u = (q.to(torch.int8) + 8).view(torch.uint8)
     return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous().view(torch.int32)
@@ -154,5 +156,8 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> PackedInt4:
 
 
 def unpack_int4(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """int8 codes `[out, in]` back from compressed-tensors' int32 layout."""
+    """int8 codes `[out, in]` back from compressed-tensors' int32 layout (imported lazily: it pulls in
+    transformers, ~200 MB per worker process)."""
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
     return unpack_from_int32(packed, num_bits=4, shape=torch.Size(shape))

@@ -1,0 +1,287 @@
+"""FP8 (e4m3) KV-cache scales that match what the serving engine actually caches.
+
+What is cached, per layer and token (formats.md §3):
+- MLA (DeepSeek V3, Kimi K2.x): one row = the normalised latent (after `kv_a_layernorm`) + the rotated
+  rope key; it serves as both K and V, so ONE scale per layer: `max(|latent|, |k_pe|) / 448`, k = v.
+- GQA (GLM-4.x): K after rope and V, per tensor: `k_scale = max|K| / 448`, `v_scale = max|V| / 448`.
+- DSA (GLM-5.x): the engine quantizes each 128-value tile with its own scale at write time; checkpoint
+  scales are not used there, so none are written — the statistics are still reported.
+
+The statistics are collected by handing the transformers attention a duck-typed cache (`StatCache`): its
+`update(k, v, layer)` receives exactly the tensors the model would cache. Per layer we keep the exact
+absolute maximum and a fine log2 histogram of |value|, from which the fraction of cached values that
+would saturate (|x| > 448 s) or underflow to zero (|x| < s * 2^-10) in e4m3 is read for any scale s —
+both at the calibrated scale and at 1.0, the scale an engine uses when the checkpoint has none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+__all__ = [
+    "FP8_MAX",
+    "KVStats",
+    "StatCache",
+    "KV_CACHE_SCHEME",
+    "fp8_fractions_exact",
+    "kv_report",
+    "legacy_sglang_json",
+    "write_kv_scales",
+]
+
+FP8_MAX = 448.0  # float8_e4m3fn
+FP8_UNDERFLOW_LOG2 = -10.0  # |x/s| below 2^-10 (half the smallest subnormal 2^-9) rounds to zero
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+_BINS_PER_OCTAVE = 32
+_LO, _HI = -80.0, 48.0  # log2 range of the histogram (values outside land in the edge bins)
+
+
+@dataclass
+class Tally:
+    """Exact max |x| plus a log2 histogram of |x| for one cached tensor stream."""
+
+    absmax: float = 0.0
+    zeros: int = 0
+    total: int = 0
+    hist: torch.Tensor = field(default_factory=lambda: torch.zeros(int((_HI - _LO) * _BINS_PER_OCTAVE)))
+
+    def add(self, x: torch.Tensor) -> None:
+        a = x.detach().abs().float().flatten()
+        self.total += a.numel()
+        if a.numel() == 0:
+            return
+        self.absmax = max(self.absmax, float(a.max()))
+        nz = a[a > 0]
+        self.zeros += a.numel() - nz.numel()
+        logs = nz.log2().clamp_(_LO, _HI - 1e-6)
+        self.hist += torch.histc(logs, bins=self.hist.numel(), min=_LO, max=_HI)
+
+    def merge(self, other: Tally) -> Tally:
+        return Tally(max(self.absmax, other.absmax), self.zeros + other.zeros, self.total + other.total,
+                     self.hist + other.hist)
+
+    def fraction_below(self, log2_threshold: float) -> float:
+        """Fraction of non-zero values with log2|x| < threshold (linear within the boundary bin)."""
+        pos = (log2_threshold - _LO) * _BINS_PER_OCTAVE
+        whole = int(math.floor(min(max(pos, 0), self.hist.numel())))
+        count = float(self.hist[:whole].sum())
+        if whole < self.hist.numel():
+            count += float(self.hist[whole]) * (pos - whole)
+        return count / self.total if self.total else 0.0
+
+    def fractions(self, scale: float) -> dict[str, float]:
+        """Fractions of all cached values that saturate / underflow in e4m3 at `scale`."""
+        nonzero = (self.total - self.zeros) / self.total if self.total else 0.0
+        # exact when the scale covers the absmax (the calibrated case): nothing can exceed 448
+        sat = 0.0
+        if self.absmax > FP8_MAX * scale:
+            sat = max(0.0, nonzero - self.fraction_below(math.log2(FP8_MAX * scale)))
+        under = self.fraction_below(math.log2(scale) + FP8_UNDERFLOW_LOG2)
+        return {"saturated": sat, "underflow": under}
+
+    def to_json(self) -> dict[str, Any]:
+        nz = self.hist.nonzero().flatten()
+        return {"absmax": self.absmax, "zeros": self.zeros, "total": self.total,
+                "bins": nz.tolist(), "counts": self.hist[nz].tolist()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Tally:
+        t = cls(float(d["absmax"]), int(d["zeros"]), int(d["total"]))
+        t.hist[torch.tensor(d["bins"], dtype=torch.long)] = torch.tensor(d["counts"], dtype=torch.float32)
+        return t
+
+
+def fp8_fractions_exact(x: torch.Tensor, scale: float) -> dict[str, float]:
+    """Exact saturate/underflow fractions by really casting `x / scale` to e4m3 (tests, small tensors)."""
+    y = x.float() / scale
+    sat = (y.abs() > FP8_MAX).float().mean()
+    q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    under = ((q == 0) & (y != 0)).float().mean()
+    return {"saturated": float(sat), "underflow": float(under)}
+
+
+class KVStats:
+    """Statistics of one layer's cache in the engine's layout (`mla`, `gqa` or `dsa`)."""
+
+    def __init__(self, layout: str) -> None:
+        self.layout = layout
+        self.k = Tally()  # mla/dsa: latent + rope key (the whole cached row); gqa: K
+        self.v = Tally()  # gqa only: V
+
+    def observe(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.layout == "gqa":
+            self.k.add(k)
+            self.v.add(v)
+        else:  # MLA caches (latent, k_pe) as one row; both parts share the one scale
+            self.k.add(k)
+            self.k.add(v)
+
+    def scales(self) -> tuple[float, float] | None:
+        """(k_scale, v_scale) to write, or None for DSA (the engine scales tiles itself)."""
+        if self.layout == "dsa":
+            return None
+        k = _scale(self.k.absmax)
+        return (k, k) if self.layout == "mla" else (k, _scale(self.v.absmax))
+
+    def report(self, layer: int) -> dict[str, Any]:
+        scales = self.scales()
+        out: dict[str, Any] = {"layer": layer, "layout": self.layout}
+        streams = {"kv": self.k} if self.layout != "gqa" else {"k": self.k, "v": self.v}
+        for i, (key, tally) in enumerate(streams.items()):
+            entry: dict[str, Any] = {"absmax": tally.absmax, "values": tally.total, "at_scale_1": tally.fractions(1.0)}
+            if scales is not None:
+                entry["scale"] = scales[i]
+                entry["at_calibrated_scale"] = tally.fractions(scales[i])
+            out[key] = entry
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "k": self.k.to_json(), "v": self.v.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> KVStats:
+        s = cls(d["layout"])
+        s.k, s.v = Tally.from_json(d["k"]), Tally.from_json(d["v"])
+        return s
+
+
+def _scale(absmax: float) -> float:
+    """absmax / 448 (1.0 when nothing non-zero was seen: the engine default, never a zero scale)."""
+    return absmax / FP8_MAX if absmax > 0 else 1.0
+
+
+class StatCache:
+    """A stand-in for transformers' Cache that records what would be cached and caches nothing."""
+
+    def __init__(self, stats: KVStats) -> None:
+        self.stats = stats
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stats.observe(key_states, value_states)
+        return key_states, value_states
+
+    def update_indexer(self, k: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return k  # the DSA indexer's own small cache: not part of the FP8 KV cache
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+# ------------------------------------------------------------------------------------------- reports
+def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
+    """The KV report written next to the checkpoint (per layer; worst layers first in `summary`)."""
+    layers = [s.report(i) for i, s in sorted(stats.items())]
+    note = {
+        "mla": "one scale per layer from max(|latent after kv_a_layernorm|, |k_pe after rope|)/448; k_scale == v_scale",
+        "gqa": "per-tensor K (after rope) and V scales = absmax/448",
+        "dsa": "DSA engines compute per-tile FP8 scales at write time; checkpoint scales would be ignored, "
+        "so none are written. Statistics below are for information.",
+    }[layout]
+    return {"layout": layout, "fp8": "float8_e4m3fn", "fp8_max": FP8_MAX, "note": note, "layers": layers}
+
+
+def legacy_sglang_json(scales: dict[int, tuple[float, float]], tp_size: int = 8) -> dict[str, Any]:
+    """The `--quantization-param-path` file older SGLang (and vLLM) read: one K scale per layer and rank.
+
+    Loaders check that there is one entry per tensor-parallel rank, so the scale is repeated per rank.
+    """
+    per_layer = {str(i): float(k) for i, (k, _v) in sorted(scales.items())}
+    return {
+        "model_type": "llama",  # required by the schema; ignored for the scales
+        "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {str(r): dict(per_layer) for r in range(tp_size)}},
+    }
+
+
+def scale_tensors(scales: dict[int, tuple[float, float]], prefix: str = "") -> dict[str, torch.Tensor]:
+    """`model.layers.N.self_attn.{k,v}_scale` tensors (float32 [1])."""
+    out = {}
+    for layer, (k, v) in sorted(scales.items()):
+        base = f"{prefix}model.layers.{layer}.self_attn"
+        out[f"{base}.k_scale"] = torch.tensor([k], dtype=torch.float32)
+        out[f"{base}.v_scale"] = torch.tensor([v], dtype=torch.float32)
+    return out
+
+
+# ------------------------------------------------------------------- add scales to a checkpoint in place
+KV_SHARD = "kv_cache_scales.safetensors"
+
+
+def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], prefix: str = "") -> list[str]:
+    """Add k/v scale tensors to checkpoint `ckpt` without touching its weight shards.
+
+    Writes one small extra shard, points the index at it (creating an index for a single-file model)
+    and sets `kv_cache_scheme` in the compressed-tensors `quantization_config` (other checkpoints are
+    refused: they get the legacy JSON only). Each file is replaced
+    atomically; config.json goes last, so a crash leaves either the old or the new checkpoint.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config_path = ckpt / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    qc = config.get("quantization_config")
+    if not qc or qc.get("quant_method") != "compressed-tensors":
+        # transformers and the engines read kv_cache_scheme only inside a compressed-tensors config with
+        # weight groups; inventing one for a BF16 / FP8-block model would make it unloadable.
+        method = qc.get("quant_method") if qc else "none (unquantized)"
+        raise QuantkitError(
+            f"{config_path}: quantization method {method} has no kv_cache_scheme; serve with the legacy "
+            f"JSON ({'kv_cache_scales.json'}) via --quantization-param-path, or convert to INT4 first"
+        )
+    tensors = scale_tensors(scales, prefix)
+    _atomic(ckpt / KV_SHARD, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    index_path = ckpt / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    else:
+        shards = sorted(p.name for p in ckpt.glob("*.safetensors") if p.name != KV_SHARD)
+        if not shards:
+            raise QuantkitError(f"{ckpt}: no *.safetensors weight files")
+        wm = {}
+        for s in shards:
+            with safe_open(ckpt / s, framework="pt") as f:
+                wm.update({k: s for k in f.keys()})
+        index = {"metadata": {}, "weight_map": wm}
+    wm = {k: v for k, v in index["weight_map"].items() if v != KV_SHARD}
+    clash = [k for k in tensors if k in wm]
+    if clash:
+        raise QuantkitError(f"{ckpt / wm[clash[0]]}: already holds {clash[0]}; refusing to add a second copy")
+    wm.update({k: KV_SHARD for k in tensors})
+    index["weight_map"] = dict(sorted(wm.items()))
+    _atomic(index_path, lambda p: p.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8"))
+    qc["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+    config["quantization_config"] = qc
+    _atomic(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+    return [KV_SHARD, index_path.name, config_path.name]
+
+
+def _atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def link_checkpoint(src: Path, out: Path) -> None:
+    """Make `out` a copy of checkpoint `src` whose weight shards are hard links (copies across devices)."""
+    out.mkdir(parents=True, exist_ok=False)
+    for p in src.iterdir():
+        if p.is_dir():
+            shutil.copytree(p, out / p.name)
+        elif p.suffix == ".safetensors":
+            try:
+                os.link(p, out / p.name)
+            except OSError:
+                shutil.copy2(p, out / p.name)
+        else:
+            shutil.copy2(p, out / p.name)
