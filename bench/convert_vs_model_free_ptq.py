@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--ours-only", action="store_true", help="skip the peer (e.g. to show RSS vs shard size)")
     args = parser.parse_args()
 
     import shutil
@@ -144,14 +145,20 @@ def main() -> None:
     print(f"generated {source_bytes / 1e9:.2f} GB in {len(shards)} shards (largest {max(shards) / 1e9:.2f} GB) "
           f"in {time.perf_counter() - t:.0f}s")
 
-    peer = run_measured(PEER, [str(src), str(work / "peer"), str(args.workers)], args.threads)
     ours = run_measured(OURS, [str(src), str(work / "ours"), str(args.workers)], args.threads)
+    if args.ours_only:
+        print(f"quantkit convert: {ours['seconds']:.1f}s, {source_bytes / ours['seconds'] / 1e9:.4f} GB/s, peak RSS "
+              f"{ours['peak_rss_bytes'] / 1e9:.3f} GB (largest shard {max(shards) / 1e9:.2f} GB)")
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    peer = run_measured(PEER, [str(src), str(work / "peer"), str(args.workers)], args.threads)
     differ = compare_outputs(work / "peer", work / "ours")
     rows = {}
     for name, r in (("llm-compressor model_free_ptq", peer), ("quantkit convert", ours)):
+        per_worker = r["peak_rss_bytes"] / args.workers / max(shards)
         rows[name] = {"seconds": round(r["seconds"], 2), "source_GB_per_s": round(source_bytes / r["seconds"] / 1e9, 4),
                       "peak_rss_GB": round(r["peak_rss_bytes"] / 1e9, 3),
-                      "peak_rss_per_worker_over_largest_shard": round(r["peak_rss_bytes"] / args.workers / max(shards), 3)}
+                      "peak_rss_per_worker_over_largest_shard": round(per_worker, 3)}
     result = {"source_bytes": source_bytes, "shards": len(shards), "largest_shard_bytes": max(shards),
               "workers": args.workers, "threads_per_worker": args.threads, "tensors_that_differ": differ,
               "throughput_ratio": round(peer["seconds"] / ours["seconds"], 2),

@@ -1,0 +1,203 @@
+"""quantkit calibrated GPTQ vs llm-compressor `oneshot` GPTQ: quality on the tiny trained models, and wall
+time + peak RSS on a generated MoE checkpoint big enough to matter (>= 1 GB).
+
+    .venv/bin/python bench/gptq_vs_llmcompressor.py quality            # ~3 min on 2 cores
+    .venv/bin/python bench/gptq_vs_llmcompressor.py speed              # ~15 min on 2 cores
+    .venv/bin/python bench/gptq_vs_llmcompressor.py speed --layers 2   # quick smoke
+
+Both tools get the same model, the same pre-tokenized samples, sequence length, scheme (W4A16, symmetric,
+group 32, static act-order, damping 0.01, block 128), ignore list (everything but routed experts) and
+thread count; each runs in its own fresh process, one after the other. Results go to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+PY = sys.executable
+
+
+def _timed(cmd: list[str], threads: int) -> dict[str, float]:
+    """Run `cmd` in a fresh process; wall seconds and its output (which ends with its peak RSS)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        print(out[-3000:])
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return {"wall_s": wall, "log": out[-2000:]}
+
+
+def _rss_wrapper(code: str) -> list[str]:
+    """A python -c command that runs `code` and prints its own peak RSS last (ru_maxrss, KiB on Linux)."""
+    tail = "\nimport resource; print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    return [PY, "-c", code + tail]
+
+
+def _peak(log: str) -> float:
+    for line in reversed(log.splitlines()):
+        if line.startswith("PEAK_RSS_KIB"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+# ------------------------------------------------------------------------------------------ quality
+def quality(samples: int, seq_len: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from quantkit.arch import Role
+    from quantkit.calibrate.data import calibration_tokens
+    from quantkit.calibrate.eval import evaluate_in_subprocess
+    from quantkit.calibrate.reference import ignore_list, oneshot_gptq
+    from quantkit.calibrate.tiny import ARCHS, CORPUS, HELDOUT, build_tiny
+    from quantkit.convert import convert
+    from quantkit.recipe import Recipe
+
+    torch.set_num_threads(threads)
+    results = {}
+    for arch in ARCHS:
+        src = build_tiny(arch)
+        root = Path(tempfile.mkdtemp(prefix=f"qk-quality-{arch}-"))
+        calib = {"dataset": str(CORPUS), "samples": samples, "seq_len": seq_len, "seed": 0}
+        t = time.perf_counter()
+        convert(src, root / "gptq", Recipe(method="gptq", calibration=calib))
+        t_gptq = time.perf_counter() - t
+        convert(src, root / "rtn", Recipe(method="rtn"))
+        tokens = calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(src), samples, seq_len, 0)
+        config = json.loads((src / "config.json").read_text())
+        t = time.perf_counter()
+        oneshot_gptq(src, root / "oneshot", tokens, ignore_list(config, {Role.ROUTED_EXPERT}))
+        t_oneshot = time.perf_counter() - t
+        ev = evaluate_in_subprocess([root / "rtn", root / "gptq", root / "oneshot"], HELDOUT, src, 128, 64, threads)
+        rows = {"source": ev["reference"]}
+        for name in ("rtn", "gptq", "oneshot"):
+            rows[name] = ev["models"][str(root / name)]
+        results[arch] = {"eval_tokens": ev["tokens"], "rows": rows, "seconds": {"gptq": t_gptq, "oneshot": t_oneshot}}
+        shutil.rmtree(root, ignore_errors=True)
+        _print_quality(arch, results[arch])
+    return {"samples": samples, "seq_len": seq_len, "threads": threads, "archs": results}
+
+
+def _print_quality(arch: str, r: dict) -> None:
+    print(f"\n{arch} ({r['eval_tokens']} held-out tokens)")
+    print(f"{'model':<10}{'ppl':>10}{'KL vs src':>12}{'top-1':>9}")
+    for name, e in r["rows"].items():
+        kl = f"{e['kl_mean']:.2e}" if "kl_mean" in e else "-"
+        top = f"{e['top1_agreement']:.2%}" if "top1_agreement" in e else "-"
+        print(f"{name:<10}{e['perplexity']:>10.4f}{kl:>12}{top:>9}")
+
+
+# -------------------------------------------------------------------------------------------- speed
+def make_checkpoint(path: Path, layers: int) -> dict:
+    """A random deepseek_v3 MoE (bf16, per-expert tensors on disk) of about 0.2 GB per layer + tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.calibrate.tiny import build_tokenizer
+
+    if (path / "config.json").exists():
+        return json.loads((path / "config.json").read_text())
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=512, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+        kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=64,
+        num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+        num_nextn_predict_layers=0, tie_word_embeddings=False, max_position_embeddings=4096,
+    )
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="500MB")
+    build_tokenizer(path)
+    return json.loads((path / "config.json").read_text())
+
+
+def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | None,
+          only: list[str] | None = None) -> dict:
+    root = keep or Path(tempfile.mkdtemp(prefix="qk-speed-"))
+    src = root / "src"
+    config = make_checkpoint(src, layers)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    common = (
+        "import torch, json\n"
+        f"torch.set_num_threads({threads})\n"
+        "from transformers import AutoTokenizer\n"
+        "from quantkit.calibrate.data import calibration_tokens\n"
+        f"tok = AutoTokenizer.from_pretrained({str(src)!r})\n"
+        f"tokens = calibration_tokens({str(REPO / 'calibration_data/default.jsonl')!r}, tok, {samples}, {seq_len}, 0)\n"
+    )
+    ours = common + (
+        "from quantkit.convert import convert\nfrom quantkit.recipe import Recipe\n"
+        f"r = Recipe(method='gptq', calibration={{'dataset': {str(REPO / 'calibration_data/default.jsonl')!r}, "
+        f"'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
+        f"convert({str(src)!r}, {str(root / 'ours')!r}, r, force=True)\n"
+    )
+    calib_only = common + (
+        "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
+        "from quantkit.calibrate.runner import calibrate\nfrom quantkit.recipe import Recipe\n"
+        f"r = Recipe(method='gptq', calibration={{'dataset': {str(REPO / 'calibration_data/default.jsonl')!r}, "
+        f"'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
+        f"import shutil; shutil.rmtree({str(root / 'calib')!r}, ignore_errors=True)\n"
+        f"print(calibrate(open_source({str(src)!r}), r, Path({str(root / 'calib')!r}), print).summary())\n"
+    )
+    theirs = common + (
+        "from quantkit.arch import Role\nfrom quantkit.calibrate.reference import ignore_list, oneshot_gptq\n"
+        f"cfg = json.load(open({str(src / 'config.json')!r}))\n"
+        f"oneshot_gptq({str(src)!r}, {str(root / 'oneshot')!r}, tokens, ignore_list(cfg, {{Role.ROUTED_EXPERT}}))\n"
+    )
+    res = {}
+    runs = (("quantkit", ours), ("quantkit calibrate only", calib_only), ("llm-compressor", theirs))
+    for name, code in runs if not only else [r for r in runs if r[0] in only]:
+        shutil.rmtree(root / ("ours" if name == "quantkit" else "oneshot"), ignore_errors=True)
+        r = _timed(_rss_wrapper(code), threads)
+        res[name] = {"wall_s": r["wall_s"], "peak_rss_gib": _peak(r["log"])}
+        (RESULTS / f"speed_{name.replace(' ', '_')}.log").write_text(r["log"])
+        print(f"{name:<15} wall {r['wall_s']:8.1f} s   peak RSS {res[name]['peak_rss_gib']:6.2f} GiB", flush=True)
+    hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    layer_params = experts * 3 * hidden * inter + (inter * 3 * hidden)  # routed + shared experts (attention small)
+    acts = samples * seq_len * hidden * 4 * 2
+    out = {
+        "checkpoint_gb": size / 1e9, "layers": layers, "samples": samples, "seq_len": seq_len, "threads": threads,
+        "one_layer_fp32_gib": layer_params * 4 / 2**30, "activations_in_out_gib": acts / 2**30, **res,
+    }
+    if "quantkit" in res and "llm-compressor" in res:
+        out["wall_ratio"] = res["quantkit"]["wall_s"] / res["llm-compressor"]["wall_s"]
+    if keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["quality", "speed"])
+    ap.add_argument("--samples", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keep", type=Path, default=None, help="reuse/keep the generated checkpoint here")
+    ap.add_argument("--only", action="append", help="run only these (quantkit, 'quantkit calibrate only', ...)")
+    a = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if a.what == "quality":
+        res = quality(a.samples or 32, a.seq_len or 128, a.threads)
+    else:
+        res = speed(a.layers, a.samples or 8, a.seq_len or 256, a.threads, a.keep, a.only)
+    name = f"calibration_{a.what}" + ("_" + "_".join(x.replace(" ", "-") for x in a.only) if a.only else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k != "archs"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
