@@ -15,12 +15,15 @@ from quantkit.synth import tiny_config
 REAL = Path(__file__).resolve().parent.parent.parent / "shared" / "model-configs"
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm_moe_dsa-indexshare", "deepseek_v3", "glm4_moe"])
 def test_inventory_matches_transformers_save_pretrained(family, tmp_path):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = tiny_config(family)
+    if family.endswith("-indexshare"):  # GLM-5.2: "shared" layers reuse the previous top-k and hold no indexer
+        config = tiny_config("glm_moe_dsa", indexer_types=["full", "shared", "shared"])
+    else:
+        config = tiny_config(family)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     model.save_pretrained(tmp_path)
     saved = {}

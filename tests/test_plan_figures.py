@@ -66,10 +66,11 @@ def test_glm52_per_gpu_weights_at_tp8() -> None:
     # The report's 88 -> 52 is checkpoint / TP ...
     assert _rel(fp8["weights_even_split_bytes"] / GIB, 88) < TOL
     assert _rel(int4["weights_even_split_bytes"] / GIB, 52) < TOL
-    # ... SGLang's layout adds the replicated MLA down-projections, indexer and routers (MTP layer off).
+    # ... SGLang's layout adds the replicated MLA down-projections, indexers (on the 22 "full" layers of
+    # IndexShare) and routers (MTP layer off).
     assert _rel(fp8["weights_per_gpu_bytes"] / GIB, 88) < TOL
     extra = int4["weights_per_gpu_bytes"] - int4["weights_even_split_bytes"]
-    assert 2 * GIB < extra < 4 * GIB
+    assert 1 * GIB < extra < 4 * GIB
     assert _rel(int4["weights_per_gpu_bytes"] / GIB, 52) < 0.07
 
 
@@ -105,9 +106,9 @@ def test_compare_table_and_bundled_models() -> None:
     by = {(r["weights"], r["kv"]): r for r in rows}
     assert not by[("bf16", "bf16")]["fits"]  # 1.4 TiB of BF16 does not fit 8 x 141 GB
     assert by[("int4-g32", "fp8")]["kv_capacity_tokens"] > by[("fp8", "fp8")]["kv_capacity_tokens"]
-    # GLM-5.1 has no IndexShare: the same bytes as GLM-5.2 (identical shapes).
+    # GLM-5.1 has no IndexShare: an indexer in every layer, GLM-5.2 only on its "full" layers; else identical.
     glm52 = _row("glm-5.2", "int4", "fp8")
-    assert by[("int4-g32", "fp8")]["checkpoint_bytes"] == glm52["checkpoint_bytes"]
+    assert 0 < by[("int4-g32", "fp8")]["checkpoint_bytes"] - glm52["checkpoint_bytes"] < 2 * GIB
 
 
 def test_dp_attention_replicates_attention_and_multiplies_capacity() -> None:

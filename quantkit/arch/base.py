@@ -182,7 +182,7 @@ class Adapter:
         def add(rest: str, shape: tuple[int, ...], role: Role, expert: int | None = None) -> None:
             out.append(TensorSpec(f"model.layers.{layer}.{rest}", shape, role, layer, expert, mtp))
 
-        for rest, shape, role in self._attention_specs():
+        for rest, shape, role in self._attention_specs(layer):
             add(rest, shape, role)
         add("input_layernorm.weight", (hidden,), Role.NORM)
         add("post_attention_layernorm.weight", (hidden,), Role.NORM)
@@ -211,7 +211,15 @@ class Adapter:
                 add("shared_head.head.weight", (vocab, hidden), Role.MTP_OTHER)
         return out
 
-    def _attention_specs(self) -> list[tuple[str, tuple[int, ...], Role]]:
+    def has_indexer(self, layer: int) -> bool:
+        """GLM-5.2 "IndexShare": layers typed "shared" reuse the previous full layer's top-k, no weights.
+
+        Layers past the list (the MTP layer) are taken to carry their own indexer.
+        """
+        types = self.config.get("indexer_types") or []
+        return self.kv_layout == "dsa" and (layer >= len(types) or types[layer] != "shared")
+
+    def _attention_specs(self, layer: int) -> list[tuple[str, tuple[int, ...], Role]]:
         c = self.config
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         a, n = "self_attn.", Role.NORM
@@ -249,7 +257,7 @@ class Adapter:
             (a + "kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), Role.ATTENTION),
             (a + "o_proj.weight", (hidden, heads * v_dim), Role.ATTENTION),
         ]
-        if self.kv_layout == "dsa":
+        if self.has_indexer(layer):
             ih, idim, i = int(c["index_n_heads"]), int(c["index_head_dim"]), a + "indexer."
             specs += [
                 (i + "wq_b.weight", (ih * idim, int(q_lora)), Role.INDEXER),

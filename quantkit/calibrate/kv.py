@@ -161,14 +161,23 @@ def _scale(absmax: float) -> float:
 
 
 class StatCache:
-    """A stand-in for transformers' Cache that records what would be cached and caches nothing."""
+    """A stand-in for transformers' Cache that records what would be cached and caches nothing.
 
-    def __init__(self, stats: KVStats) -> None:
+    MLA / GQA attention hands `update` exactly what an engine caches. transformers' DSA attention caches
+    the *expanded* per-head K/V instead; there `rope_from` says where the rotated rope key starts in each
+    key row, and the latent is observed separately (a hook on `kv_a_layernorm`, see the runner).
+    """
+
+    def __init__(self, stats: KVStats, rope_from: int | None = None) -> None:
         self.stats = stats
+        self.rope_from = rope_from
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.stats.observe(key_states, value_states)
+        if self.rope_from is None:
+            self.stats.observe(key_states, value_states)
+        else:  # the rope key is shared by all heads: head 0 holds it
+            self.stats.k.add(key_states[:, :1, :, self.rope_from :])
         return key_states, value_states
 
     def update_indexer(self, k: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -297,7 +297,10 @@ def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: Any, devic
                  writer: ActsWriter | None, stats: KVStats | None) -> None:
     """Run the layer on every input batch; write outputs and/or observe what the KV cache would hold."""
     dsa = cfg.model_type == "glm_moe_dsa"
-    cache = StatCache(stats) if stats is not None else None
+    cache = StatCache(stats, cfg.qk_nope_head_dim if dsa else None) if stats is not None else None
+    hook = None
+    if dsa and stats is not None:  # DSA's cached latent: the kv_a_layernorm output (see StatCache)
+        hook = module.self_attn.kv_a_layernorm.register_forward_hook(lambda _m, _a, out: stats.k.add(out))
     for batch in acts:
         h = batch["hidden"].to(device)
         b, s = h.shape[:2]
@@ -313,6 +316,8 @@ def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: Any, devic
             out, topk = out[0], out[1]
         if writer is not None:
             writer.add(out, topk)
+    if hook is not None:
+        hook.remove()
 
 
 def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], coverage: list[dict[str, Any]],

@@ -111,7 +111,7 @@ def convert(
 
     journal = [_read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
-        journal.append(_write_kv_scales(partial, calibration.kv_scales))
+        journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter.prefix))
     weight_map = finalize_shards(partial, journal)
     output_bytes = _write_metadata(source, recipe, plans, partial, weight_map, calibration)
     publish(partial, out_path, force)
@@ -213,12 +213,11 @@ def _drain(queue: Any, report: Reporter) -> None:
 
 
 # ---- metadata -----------------------------------------------------------------------------------
-def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]]) -> dict[str, Any]:
-    """KV scales as one extra part file: `model.layers.N.self_attn.{k,v}_scale`, float32 [1]."""
-    tensors: dict[str, torch.Tensor] = {}
-    for layer, (k, v) in sorted(kv_scales.items()):
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([k], dtype=torch.float32)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v], dtype=torch.float32)
+def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], prefix: str) -> dict[str, Any]:
+    """KV scales as one extra part file: `[prefix]model.layers.N.self_attn.{k,v}_scale`, float32 [1]."""
+    from quantkit.calibrate.kv import scale_tensors
+
+    tensors = scale_tensors(kv_scales, prefix)
     name = part_name(_KV_SHARD_INDEX, 0)
     writer = StreamingShardWriter(partial / "parts" / name, [PlannedTensor(n, torch.float32, (1,)) for n in tensors])
     for n, t in tensors.items():

@@ -125,7 +125,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def publish(partial: Path, out: Path, force: bool) -> None:
     """Atomically move the finished directory into place (replacing OUT only with --force)."""
-    for leftover in ("parts", "journal"):
+    for leftover in ("parts", "journal", "calibration"):  # calibration: per-layer GPTQ work files
         shutil.rmtree(partial / leftover, ignore_errors=True)
     fsync_dir(partial)
     if out.exists():
