@@ -1,6 +1,6 @@
 """Benchmark the KV-page integrity check: ``python bench/integrity.py [--json] [--device cuda] ...``.
 
-A thin wrapper over ``quantkit bench integrity`` so the figures in docs/benchmarks/integrity.md can be
+A thin wrapper over ``quantkit bench integrity`` so the figures in docs/benchmarks.md can be
 reproduced from a checkout without installing the entry point. All options are the CLI's.
 """
 

@@ -1,4 +1,4 @@
-"""Run the kernel benchmark and write it as JSON and Markdown (for docs/benchmarks/kernels.md).
+"""Run the kernel benchmark and write it as JSON and Markdown (for docs/benchmarks.md).
 
     python bench/kernels.py                 # full sweep on a GPU, smoke run on CPU
     python bench/kernels.py --out bench/out # also writes kernels.json and kernels.md there

@@ -47,7 +47,7 @@ def test_predicts_the_8_and_32_request_gains_and_reports_the_error() -> None:
         errors[batch] = predicted - measured
         assert math.isfinite(predicted) and predicted > 0  # INT4 stays faster at every batch
     print(f"decode gain error (predicted - measured, points): {errors}")
-    # Documented in docs/benchmarks/planner.md: +17 points at 8 requests, -2 points at 32.
+    # Documented in docs/benchmarks.md: +17 points at 8 requests, -2 points at 32.
     assert all(abs(e) < 0.25 for e in errors.values()), errors
 
 

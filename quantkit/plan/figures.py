@@ -1,6 +1,6 @@
 """The production figures next to what the planner computes, as a Markdown table.
 
-`python -m quantkit.plan.figures` prints the table docs/benchmarks/planner.md shows, so the doc can be
+`python -m quantkit.plan.figures` prints the table docs/benchmarks.md shows, so the doc can be
 regenerated whenever a default or the model changes.
 """
 

@@ -17,7 +17,7 @@ BF16 rate, times 1 + a dequant penalty) plus attention FLOPs, plus a fixed per-l
 `t_layer` and `t_fp8_call` are fitted to the report's 60 (FP8) and 92 (INT4) tok/s at one request;
 the dequant penalty and the prefill per-layer cost to its 10,160 / 8,660 prefill tok/s. The
 efficiencies are priors, not fits. The 8- and 32-request gains are predictions, reported with
-their error in docs/benchmarks/planner.md.
+their error in docs/benchmarks.md.
 """
 
 from __future__ import annotations
