@@ -25,7 +25,7 @@ sysdeps:
 
 test: install sysdeps
 	$(BIN)/ruff check quantkit tests bench
-	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider tests
 
 lint: install
 	$(BIN)/ruff check quantkit tests bench
