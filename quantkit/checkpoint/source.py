@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -110,14 +109,6 @@ class SourceCheckpoint:
     def logical_names(self) -> list[str]:
         return list(self.logical)
 
-    def names_in_shard(self, shard: str) -> list[str]:
-        """Logical tensors whose primary part lives in `shard` (each logical tensor has one home)."""
-        return [n for n, t in self.logical.items() if t.shard == shard]
-
-    def layer_names(self, layer: int) -> list[str]:
-        """Logical names of one decoder layer (MTP layers are layers >= num_hidden_layers)."""
-        return [n for n in self.logical if self.adapter.classify(n).layer == layer]
-
     # ---- reading ----------------------------------------------------------------------------------
     def read(self, name: str, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> torch.Tensor:
         """The logical tensor `name`, dequantized if needed, as `dtype`.
@@ -160,7 +151,7 @@ class SourceCheckpoint:
         return buffer.view(ST_TO_TORCH[entry.dtype]).reshape(entry.shape)
 
     def close(self) -> None:
-        """Nothing is held open between reads; kept for API symmetry."""
+        """Nothing is held open between reads (no mmap), so there is nothing to release."""
 
     def _dequant_fp8(self, t: LogicalTensor) -> torch.Tensor:
         scale_name = t.name + "_scale_inv"
@@ -358,10 +349,3 @@ def _check_inventory(source: SourceCheckpoint) -> None:
                 f"{source.root / found.shard}: tensor {spec.name} has shape {list(found.shape)}, "
                 f"config.json implies {list(spec.shape)}"
             )
-
-
-def iter_physical(source: SourceCheckpoint) -> Iterator[tuple[str, str, HeaderEntry]]:
-    """(shard, name, header entry) for every stored tensor."""
-    for f, h in source.headers.items():
-        for name, entry in h.tensors.items():
-            yield f, name, entry
