@@ -11,14 +11,13 @@ experts a small batch touches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.kernels.reference import moe_align
 from quantkit.kernels.triton_w4a16 import (
+    W4A16Config,
     _load_w4_block,
     _num_sms,
     _split_k,
@@ -31,16 +30,8 @@ from quantkit.kernels.triton_w4a16 import (
 __all__ = ["MoeConfig", "pick_moe_config", "gpu_moe_config", "triton_w4a16_moe"]
 
 
-@dataclass(frozen=True)
-class MoeConfig:
-    """Launch shape of the MoE kernel (BLOCK_M >= 16: rows are multiplied with `tl.dot`)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
+# The MoE kernel takes the same launch shape as the dense one (here BLOCK_M >= 16: rows go through `tl.dot`).
+MoeConfig = W4A16Config
 
 
 def pick_moe_config(num_slots: int, n: int, k: int, group_size: int, device: torch.device) -> MoeConfig:
