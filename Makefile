@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 THREADS ?= 2
 
-.PHONY: install sysdeps test lint demo bench clean
+.PHONY: install sysdeps engines test test-all lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,16 @@ sysdeps:
 	  if [ "$$(id -u)" = "0" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing and not root: the HTML rendering test will be skipped"; fi; }
 
-test: install sysdeps
+# The engines' released wheels (SGLang, vLLM) whose loader code tests/engines/ executes; cached in .cache/engines.
+engines: install
+	bash tests/engines/fetch_engines.sh $(BIN)/python
+
+# `make test` skips the cases marked slow; `make test-all` runs everything.
+test: install sysdeps engines
+	$(BIN)/ruff check quantkit tests bench
+	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow" tests
+
+test-all: install sysdeps engines
 	$(BIN)/ruff check quantkit tests bench
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider tests
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -130,25 +131,45 @@ def convert_cmd(
             console.print(f"[yellow]warning:[/] {w}")
 
 
+class EngineChoice(str, Enum):
+    sglang = "sglang"
+    vllm = "vllm"
+    all = "all"
+
+
 def validate_cmd(
     out: Path = typer.Argument(..., help="Converted checkpoint directory."),
     source: Optional[Path] = typer.Option(None, help="The source it was converted from."),  # noqa: UP045
+    engine: EngineChoice = typer.Option(EngineChoice.all, "--engine", help="Engine verdicts to give."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Check a converted checkpoint against the compressed-tensors format and SGLang/vLLM loader rules."""
+    """Check a converted checkpoint against the compressed-tensors format and SGLang/vLLM loader rules.
+
+    Exits 2 when a check fails or a selected engine would fail to load or silently mis-serve it."""
+    from quantkit.engines import ENGINES
     from quantkit.validate import validate_checkpoint
 
     if not out.is_dir():
         raise QuantkitError(f"{out}: not a directory")
-    report = validate_checkpoint(out, source)
+    engines = ENGINES if engine == EngineChoice.all else (engine.value,)
+    report = validate_checkpoint(out, source, engines=engines)
     if as_json:
         _emit_json(report.to_dict())
     else:
         table = Table("check", "status", "detail")
-        colors = {"ok": "green", "warn": "yellow", "fail": "red"}
+        colors = {"ok": "green", "warn": "yellow", "fail": "red", "loads": "green", "loads-with-warnings": "yellow",
+                  "fails": "red"}
         for c in report.checks:
             table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", c.detail)
-        Console().print(table)
+        console = Console()
+        console.print(table)
+        for v in report.engines.values():
+            console.print(f"[bold]{v.engine} {v.version}[/]: [{colors[v.verdict]}]{v.verdict}[/]; "
+                          f"KV cache {v.kv_cache.dtype}, scale {v.kv_cache.scale} ({v.kv_cache.detail})")
+            for label, lines in (("fails", v.problems), ("warning", v.warnings), ("note", v.notes)):
+                for line in lines:
+                    console.print(f"  {label}: {line}", highlight=False)
+            console.print(f"  launch: {v.launch[0]}", highlight=False, soft_wrap=True)
     if not report.ok:
         raise typer.Exit(2)
 

@@ -14,19 +14,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from quantkit.arch import Role
+from quantkit.arch import Role, family_of_config
 from quantkit.errors import QuantkitError
 
 __all__ = ["Recipe", "load_recipe", "parse_size", "RECIPES_DIR", "default_recipe_name"]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-_DEFAULT_BY_ARCH = {
-    "glm_moe_dsa": "glm5-w4a16-g32",
-    "glm4_moe": "glm4-w4a16-g32",
-    "deepseek_v3": "deepseek-v3-w4a16-g32",
-    "kimi_k2": "kimi-k2-w4a16-g32",
-    "kimi_k25": "kimi-k2-w4a16-g32",
-}
 
 
 class GPTQSettings(BaseModel):
@@ -91,13 +84,13 @@ def parse_size(text: str) -> int:
 
 
 def default_recipe_name(config: dict[str, Any]) -> str:
-    """The preset for an architecture (Kimi configs carry the deepseek_v3 text model)."""
-    model_type = config.get("model_type", "")
-    text_type = (config.get("text_config") or {}).get("model_type", "")
-    for key in (model_type, text_type):
-        if key in _DEFAULT_BY_ARCH:
-            return _DEFAULT_BY_ARCH[key]
-    raise QuantkitError(f"config.json: no default recipe for model_type {model_type!r}; pass --recipe")
+    """The preset for an architecture, from its family record (a wrapper such as kimi_k25 has its own)."""
+    try:
+        family, wrapper, text = family_of_config(config)
+    except QuantkitError:
+        raise QuantkitError(f"config.json: no default recipe for model_type {config.get('model_type')!r}; "
+                            "pass --recipe") from None
+    return wrapper.default_recipe if wrapper else family.default_recipes[text["model_type"]]
 
 
 def load_recipe(spec: str | None, config: dict[str, Any], overrides: dict[str, Any] | None = None) -> Recipe:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from quantkit.arch import FAMILIES as arch_families
 from quantkit.arch import Role, TensorSpec, get_adapter
 from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
@@ -23,11 +24,9 @@ from quantkit.quant.int4 import pack_int4, quantize_rtn
 
 __all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "FP8_ROLES"]
 
-FAMILIES = ("glm_moe_dsa", "deepseek_v3", "glm4_moe")
+FAMILIES = tuple(arch_families)
 # Roles a DeepSeek/GLM FP8 release stores as FP8 blocks (embeddings, lm_head, norms, routers, indexer: not).
 FP8_ROLES = {Role.ATTENTION, Role.DENSE_MLP, Role.SHARED_EXPERT, Role.ROUTED_EXPERT}
-_ARCH = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-         "glm4_moe": "Glm4MoeForCausalLM"}
 _COMMON = dict(first_k_dense_replace=1, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
                max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="bfloat16")
@@ -47,18 +46,11 @@ def tiny_config(family: str, size: str = "tiny", **overrides: Any) -> dict[str, 
     kw: dict[str, Any] = dict(_COMMON, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=moe_inter,
                               num_hidden_layers=layers, n_routed_experts=experts, num_attention_heads=heads,
                               vocab_size=vocab)
-    if family == "glm4_moe":
-        kw.update(num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, partial_rotary_factor=0.5,
-                  use_qk_norm=True, attention_bias=True)
-    else:
-        head = hidden // heads
-        kw.update(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
-                  v_head_dim=head, num_key_value_heads=heads)
-    if family == "glm_moe_dsa":
-        kw.update(index_n_heads=2, index_head_dim=hidden // 2, index_topk=16)
+    record = arch_families[family]
+    kw.update(record.synth(hidden, heads))
     kw.update(overrides)
     config = AutoConfig.for_model(family, **kw).to_dict()
-    config["architectures"] = [_ARCH[family]]
+    config["architectures"] = [record.architecture]
     config.pop("transformers_version", None)
     return config
 

@@ -9,7 +9,9 @@ Checks, each reported as ok / warn / fail with a one-line detail:
   (SGLang reads kv_b_proj.weight); Marlin / MoE group-size and per-rank divisibility for TP 1..8;
   MTP layer present; KV-cache scales complete (k == v for MLA);
 - with `--source`: every source tensor is accounted for in quantkit.json and present in the output,
-  and quantized weights reproduce the source within half a quantization step.
+  and quantized weights reproduce the source within half a quantization step;
+- per engine (`quantkit.engines`): SGLang's and vLLM's verdict — loads / loads-with-warnings / fails —
+  the launch args the checkpoint needs and the KV-cache scale each engine will really use.
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from quantkit.arch import Role, get_adapter
+from quantkit.arch import KVLayout, Role, get_adapter
 from quantkit.checkpoint.safetensors_header import ShardHeader, read_header
 from quantkit.checkpoint.source import INDEX_NAME
+from quantkit.engines import ENGINES, Engine, EngineVerdict, engine_verdicts, read_checkpoint_facts
 from quantkit.errors import QuantkitError
 
-__all__ = ["Check", "ValidationReport", "validate_checkpoint"]
+__all__ = ["Check", "CheckStatus", "ValidationReport", "validate_checkpoint"]
+
+CheckStatus = Literal["ok", "warn", "fail"]
 
 _TPS = (1, 2, 4, 8)
 _FUSED = [("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
@@ -37,7 +42,7 @@ _FUSED = [("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "k_proj", "v_proj"), ("
 @dataclass
 class Check:
     name: str
-    status: str  # ok | warn | fail
+    status: CheckStatus
     detail: str
 
 
@@ -46,10 +51,13 @@ class ValidationReport:
     path: str
     checks: list[Check] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    engines: dict[Engine, EngineVerdict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return all(c.status != "fail" for c in self.checks)
+        """No failed check, and no engine that would fail or silently mis-serve the checkpoint."""
+        return all(c.status != "fail" for c in self.checks) and all(
+            v.verdict != "fails" for v in self.engines.values())
 
     def add(self, name: str, problems: list[str], detail_ok: str, warn: bool = False) -> None:
         if problems:
@@ -59,7 +67,8 @@ class ValidationReport:
             self.checks.append(Check(name, "ok", detail_ok))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "ok": self.ok, "checks": [asdict(c) for c in self.checks], "facts": self.facts}
+        return {"path": self.path, "ok": self.ok, "checks": [asdict(c) for c in self.checks], "facts": self.facts,
+                "engines": {e: v.to_dict() for e, v in self.engines.items()}}
 
 
 @dataclass
@@ -70,8 +79,10 @@ class _Output:
     tensors: dict[str, tuple[str, Any]]  # name -> (shard, header entry)
 
 
-def validate_checkpoint(path: str | Path, source: str | Path | None = None, sample: int = 8) -> ValidationReport:
-    """Run every check on a converted checkpoint directory (and against its source when given)."""
+def validate_checkpoint(path: str | Path, source: str | Path | None = None, sample: int = 8,
+                        engines: tuple[Engine, ...] = ENGINES) -> ValidationReport:
+    """Run every check on a converted checkpoint directory (against its source when given), and give
+    each engine's verdict."""
     root = Path(path)
     report = ValidationReport(str(root))
     out = _load(root, report)
@@ -85,6 +96,7 @@ def validate_checkpoint(path: str | Path, source: str | Path | None = None, samp
     _check_decompress(out, modules, qconfig, report, sample)
     _check_engine_rules(out, modules, qconfig, report)
     _check_kv_scales(out, report)
+    report.engines = engine_verdicts(read_checkpoint_facts(root), engines)
     if source is not None:
         _check_against_source(out, Path(source), modules, report)
     return report
@@ -222,14 +234,13 @@ def _check_engine_rules(out: _Output, modules: list[str], qconfig: Any, report: 
     report.add("ignore list", problems, f"covers the {len(set(linear) - quantized)} unquantized Linear modules")
 
     report.add("fused modules", _fused_problems(linear, quantized, adapter), "fused groups quantized uniformly")
-    mla = adapter.kv_layout in ("mla", "dsa")
+    mla = adapter.kv_layout in (KVLayout.MLA, KVLayout.DSA)
     attn = [m for m in quantized if adapter.classify(m + ".weight").role in (Role.ATTENTION, Role.INDEXER)]
     report.add("MLA attention", [f"{attn[0]} is quantized: SGLang's MLA reads kv_b_proj.weight directly"]
                if mla and attn else [], "attention kept unquantized" if mla else "GQA attention")
     report.add("Marlin / MoE shapes", _shape_problems(out, adapter, modules, _group_size(qconfig), report),
                f"group {_group_size(qconfig)} divides every per-rank shape up to TP {report.facts.get('max_tp')}")
     _check_mtp(out, adapter, report)
-    _shared_expert_note(adapter, quantized, linear, report)
 
 
 def _fused_problems(linear: dict[str, Role], quantized: set[str], adapter: Any) -> list[str]:
@@ -287,15 +298,6 @@ def _check_mtp(out: _Output, adapter: Any, report: ValidationReport) -> None:
                f"{layer} is absent: speculative decoding will not work"], f"layer {layer} present", warn=True)
 
 
-def _shared_expert_note(adapter: Any, quantized: set[str], linear: dict[str, Role], report: ValidationReport) -> None:
-    c = adapter.config
-    shared_kept = any(r == Role.SHARED_EXPERT and m not in quantized for m, r in linear.items())
-    if adapter.family == "deepseek_v3" and c.get("n_routed_experts") == 256 and shared_kept:
-        report.checks.append(Check("SGLang shared-expert fusion", "warn",
-                                   "shared experts stay BF16 while routed are INT4: launch SGLang with "
-                                   "--disable-shared-experts-fusion"))
-
-
 def _check_kv_scales(out: _Output, report: ValidationReport) -> None:
     from safetensors import safe_open
 
@@ -311,12 +313,12 @@ def _check_kv_scales(out: _Output, report: ValidationReport) -> None:
         with safe_open(out.root / out.tensors[n][0], "pt") as fh:
             values[n] = fh.get_tensor(n).float()
     layers = sorted({int(re.search(r"layers\.(\d+)\.", n).group(1)) for n in names})  # type: ignore[union-attr]
-    if adapter.kv_layout != "dsa" and len(layers) < adapter.num_layers:
+    if adapter.kv_layout != KVLayout.DSA and len(layers) < adapter.num_layers:
         problems.append(f"kv scales for {len(layers)} of {adapter.num_layers} layers")
     for n, v in values.items():
         if not torch.isfinite(v).all() or not (v > 0).all():
             problems.append(f"{n} is not a positive finite number")
-    if adapter.kv_layout == "mla":
+    if adapter.kv_layout == KVLayout.MLA:
         for layer in layers:
             k = values.get(f"{adapter.prefix}model.layers.{layer}.self_attn.k_scale")
             v = values.get(f"{adapter.prefix}model.layers.{layer}.self_attn.v_scale")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.arch import get_adapter
 from quantkit.calibrate import kv
 from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
@@ -133,7 +134,7 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
     int4 = tmp_path / "int4"
     convert(tiny_ds, int4, Recipe(method="rtn"))
     shards = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in int4.glob("model-*.safetensors")}
-    out = CliRunner().invoke(app, ["kv-scales", str(int4), "--samples", "4", "--seq-len", "48", "--tp", "2"])
+    out = CliRunner().invoke(app, ["kv-scales", str(int4), "--samples", "4", "--seq-len", "48"])
     assert out.exit_code == 0, out.output
     assert "FP8 KV (mla)" in out.output
     for name, (mtime, data) in shards.items():
@@ -141,9 +142,10 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
     config = json.loads((int4 / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"]["type"] == "float"
     index = json.loads((int4 / "model.safetensors.index.json").read_text())
-    assert index["weight_map"]["model.layers.0.self_attn.k_scale"] == kv.KV_SHARD
-    legacy = json.loads((int4 / "kv_cache_scales.json").read_text())
-    assert set(legacy["kv_cache"]["scaling_factor"]) == {"0", "1"}
+    # MLA: transformers' name and the k_proj/v_proj names SGLang's DeepSeek loader remaps to attn_mqa
+    for name in ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"):
+        assert index["weight_map"][f"model.layers.0.{name}"] == kv.KV_SHARD
+    assert not (int4 / "kv_cache_scales.json").exists()  # the legacy JSON loads in no engine for these models
     report = json.loads((int4 / "kv_cache_report.json").read_text())
     assert all(layer["kv"]["at_calibrated_scale"]["saturated"] == 0.0 for layer in report["layers"])
 
@@ -151,7 +153,9 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
 
     model = AutoModelForCausalLM.from_pretrained(int4, dtype=torch.float32)
     k = model.model.layers[2].self_attn.k_scale.detach().item()
-    assert k == pytest.approx(legacy["kv_cache"]["scaling_factor"]["0"]["2"], rel=1e-6)
+    assert k == pytest.approx(report["layers"][2]["kv"]["scale"], rel=1e-6)
+    serving = json.loads((int4 / "quantkit.json").read_text())["serving"]  # recomputed for the new scales
+    assert serving["sglang"]["kv_cache"]["scale"] == "calibrated" and serving["vllm"]["kv_cache"]["scale"] == "none"
     assert not os.path.exists(tmp_path / ".int4.kv-scales.partial")
 
 
@@ -161,4 +165,4 @@ def test_kv_scales_refuses_to_invent_a_config_for_bf16(tiny_ds, tmp_path):
     out = tmp_path / "copy"
     kv.link_checkpoint(tiny_ds, out)
     with pytest.raises(QuantkitError, match="no kv_cache_scheme"):
-        kv.write_kv_scales(out, {0: (0.1, 0.1)})
+        kv.write_kv_scales(out, {0: (0.1, 0.1)}, get_adapter(json.loads((out / "config.json").read_text())))

@@ -75,7 +75,7 @@ def test_result_contract_and_coverage_report(full_run, tmp_path):
     assert p.weight_scale.dtype == torch.bfloat16 and p.weight_shape.tolist() == [128, 128]
     assert res.quantized("model.layers.0.self_attn.o_proj") is None
     files = res.write_reports(tmp_path)
-    assert files == ["calibration_coverage.json", "kv_cache_report.json", "kv_cache_scales.json"]
+    assert files == ["calibration_coverage.json", "kv_cache_report.json"]
     cov = json.loads((tmp_path / "calibration_coverage.json").read_text())
     assert len(cov["experts"]) == 32
     e = cov["experts"][0]

@@ -97,5 +97,17 @@ def test_ep_dp_attention_and_shared_expert_flags_reach_the_launch_commands(tmp_p
     assert result.exit_code == 0, result.output
     out = result.output
     assert "--ep-size 8" in out and "--enable-dp-attention --dp-size 8" in out
-    assert "decode: weights int4-g32 + KV fp8" in out and "--disable-shared-experts-fusion" in out
+    # DeepSeek V3 disables shared-expert fusion for W4A16 itself (deepseek_v2.py): no flag, Marlin MoE
+    assert "decode: weights int4-g32 + KV fp8" in out and "--moe-runner-backend marlin" in out
+    assert "--disable-shared-experts-fusion" not in out
     assert "gpu_memory_mib                 300000" in out
+
+
+def test_glm4_launch_command_disables_shared_expert_fusion_from_the_engine_record() -> None:
+    """GLM-4.x is the family SGLang fuses shared experts for under W4A16 (dropping BF16 ones): the planner's
+    decode command carries the flag and says FP8 KV would not get calibrated scales there."""
+    result = CliRunner().invoke(app, ["plan", "glm-4.7", "--compare"])
+    assert result.exit_code == 0, result.output
+    decode = result.output.split("decode: weights int4", 1)[1]
+    assert "--disable-shared-experts-fusion" in decode and "--moe-runner-backend marlin" in decode
+    assert "scale 1.0" in result.output

@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
+from quantkit.arch.families import WRAPPERS, Family, KVLayout, Wrapper, family_of_config
 from quantkit.errors import QuantkitError
 
-__all__ = ["Adapter", "Role", "TensorInfo", "TensorSpec", "get_adapter", "text_config"]
+__all__ = ["Adapter", "IndexerRule", "Role", "TensorInfo", "TensorSpec", "get_adapter", "text_config"]
+
+# Whose reading of the DSA indexer placement keys applies (see Adapter.has_indexer).
+IndexerRule = Literal["transformers", "vllm"]
 
 
 class Role(str, Enum):
@@ -57,16 +61,6 @@ class TensorSpec:
         return n
 
 
-# Model types that share DeepSeek V3 tensor names; value = KV-cache layout the engines use.
-_FAMILIES = {
-    "deepseek_v3": "mla",
-    "kimi_k2": "mla",
-    "glm_moe_dsa": "dsa",
-    "glm4_moe": "gqa",
-}
-# Multimodal wrappers whose language model sits under a name prefix.
-_WRAPPERS = {"kimi_k25": "language_model."}
-
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 # MTP-only modules (DeepSeek V3 / GLM next-token-prediction layers).
@@ -79,37 +73,31 @@ _MTP_ROLES = {
     "shared_head.norm": Role.NORM,
     "shared_head.head": Role.MTP_OTHER,
 }
-# DeepSeek V3 MTP layers carry their own embedding and head; GLM's share the main model's.
-_MTP_OWN_EMBEDDING = {"deepseek_v3", "kimi_k2"}
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config (unwraps `text_config` of multimodal wrappers such as kimi_k25)."""
-    if config.get("model_type") in _WRAPPERS and isinstance(config.get("text_config"), dict):
+    if config.get("model_type") in WRAPPERS and isinstance(config.get("text_config"), dict):
         return config["text_config"]
     return config
 
 
 def get_adapter(config: dict[str, Any]) -> Adapter:
     """The adapter for a `config.json`; raises QuantkitError for an architecture quantkit does not know."""
-    model_type = config.get("model_type")
-    prefix = _WRAPPERS.get(model_type, "")
-    text = text_config(config)
-    family = text.get("model_type")
-    if family not in _FAMILIES:
-        known = ", ".join(sorted([*_FAMILIES, *_WRAPPERS]))
-        raise QuantkitError(f"config.json: unsupported model_type {model_type!r} (supported: {known})")
-    return Adapter(text, family, prefix)
+    family, wrapper, text = family_of_config(config)
+    return Adapter(text, family, wrapper)
 
 
 class Adapter:
     """Names and shapes of one MoE decoder family, configured by its config.json."""
 
-    def __init__(self, config: dict[str, Any], family: str, prefix: str = "") -> None:
+    def __init__(self, config: dict[str, Any], record: Family, wrapper: Wrapper | None = None) -> None:
         self.config = config
-        self.family = family
-        self.prefix = prefix
-        self.kv_layout: str = _FAMILIES[family]
+        self.record = record
+        self.wrapper = wrapper
+        self.family = record.name
+        self.prefix = wrapper.prefix if wrapper else ""
+        self.kv_layout: KVLayout = record.kv_layout
         self.num_layers: int = int(config["num_hidden_layers"])
         self.num_mtp_layers: int = int(config.get("num_nextn_predict_layers") or 0)
 
@@ -156,8 +144,8 @@ class Adapter:
         patterns = [pattern for role, pattern in rules if role not in quantized_roles]
         if Role.INDEXER in quantized_roles and Role.ATTENTION not in quantized_roles:
             raise QuantkitError("recipe: the DSA indexer can only be quantized together with attention")
-        if self.prefix:
-            patterns += [r"re:.*vision_tower.*", r"re:.*mm_projector.*"]
+        if self.wrapper:
+            patterns += list(self.wrapper.kept_patterns)
         return patterns
 
     # ---- inventory from config.json -------------------------------------------------------------
@@ -206,24 +194,42 @@ class Adapter:
             add("hnorm.weight", (hidden,), Role.NORM)
             add("eh_proj.weight", (hidden, 2 * hidden), Role.MTP_OTHER)
             add("shared_head.norm.weight", (hidden,), Role.NORM)
-            if self.family in _MTP_OWN_EMBEDDING:
+            if self.record.mtp_own_embedding:
                 add("embed_tokens.weight", (vocab, hidden), Role.EMBEDDING)
                 add("shared_head.head.weight", (vocab, hidden), Role.MTP_OTHER)
         return out
 
-    def has_indexer(self, layer: int) -> bool:
-        """GLM-5.2 "IndexShare": layers typed "shared" reuse the previous full layer's top-k, no weights.
+    def has_indexer(self, layer: int, rule: IndexerRule = "transformers") -> bool:
+        """Whether decoder layer `layer` holds DSA indexer weights ("IndexShare": other layers reuse a top-k).
 
-        Layers past the list (the MTP layer) are taken to carry their own indexer.
+        `rule` is whose reading of config.json decides: transformers and SGLang take `indexer_types` when
+        present, else derive it like vLLM, which reads only `index_topk_pattern` ("S" = shared) or
+        `index_topk_freq` / `index_skip_topk_offset`. MTP layers always carry their own indexer.
         """
-        types = self.config.get("indexer_types") or []
-        return self.kv_layout == "dsa" and (layer >= len(types) or types[layer] != "shared")
+        if self.kv_layout != KVLayout.DSA:
+            return False
+        if layer >= self.num_layers:
+            return True
+        c = self.config
+        types = c.get("indexer_types")
+        if rule == "transformers" and isinstance(types, list):
+            return not (layer < len(types) and types[layer] == "shared")
+        pattern = c.get("index_topk_pattern")
+        if pattern is not None:
+            return not (layer < len(pattern) and pattern[layer] == "S")
+        freq = max(int(c.get("index_topk_freq") or 1), 1)
+        offset = int(c.get("index_skip_topk_offset", 2) or 0)
+        return max(layer - offset + 1, 0) % freq == 0
+
+    def indexer_layers(self, rule: IndexerRule = "transformers") -> list[int]:
+        """The layers (MTP included) that hold indexer weights under `rule`."""
+        return [i for i in range(self.num_layers + self.num_mtp_layers) if self.has_indexer(i, rule)]
 
     def _attention_specs(self, layer: int) -> list[tuple[str, tuple[int, ...], Role]]:
         c = self.config
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         a, n = "self_attn.", Role.NORM
-        if self.kv_layout == "gqa":
+        if self.kv_layout == KVLayout.GQA:
             head_dim = int(c.get("head_dim") or hidden // heads)
             kv_heads = int(c["num_key_value_heads"])
             specs = [

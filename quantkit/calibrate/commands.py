@@ -26,7 +26,6 @@ def kv_scales(
     samples: Annotated[int, typer.Option(help="calibration sequences")] = 128,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 2048,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
-    tp: Annotated[int, typer.Option(help="tensor-parallel size of the legacy --quantization-param-path JSON")] = 8,
 ) -> None:
     """Measure FP8 KV-cache scales (MLA-aware) and add them to a checkpoint without rewriting its shards."""
     import shutil
@@ -34,11 +33,15 @@ def kv_scales(
     from quantkit.calibrate import kv
     from quantkit.calibrate.runner import RunOptions, run
     from quantkit.checkpoint.source import open_source
+    from quantkit.engines import update_serving_record
     from quantkit.errors import QuantkitError
     from quantkit.recipe import Recipe
 
     source = open_source(src)
     target = out or src
+    if source.adapter.kv_layout != "dsa":  # refuse before any calibration work
+        probe = (target if target.exists() else src) / "config.json"
+        kv.require_kv_scheme_support(probe, json.loads(probe.read_text(encoding="utf-8")))
     if target.exists():
         if open_source(target).adapter.num_layers != source.adapter.num_layers:
             raise QuantkitError(f"{target}: not a checkpoint of the same model as {src} (layer counts differ)")
@@ -49,12 +52,10 @@ def kv_scales(
     if not target.exists():
         kv.link_checkpoint(src, target)
     scales = result.kv_scales
-    written = result.write_reports(target, tp_size=tp)
+    written = result.write_reports(target)
     if scales:
-        try:
-            written += kv.write_kv_scales(target, scales, source.adapter.prefix)
-        except QuantkitError as exc:  # not compressed-tensors: the legacy JSON is all an engine can use
-            typer.echo(f"note: scale tensors not added: {exc}")
+        written += kv.write_kv_scales(target, scales, source.adapter)
+        written += update_serving_record(target)
     shutil.rmtree(work, ignore_errors=True)
     typer.echo(result.summary())
     typer.echo(f"wrote {', '.join(written)} in {target}")

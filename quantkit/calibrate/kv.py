@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from quantkit.arch import Adapter
 from quantkit.errors import QuantkitError
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "KV_CACHE_SCHEME",
     "fp8_fractions_exact",
     "kv_report",
-    "legacy_sglang_json",
+    "require_kv_scheme_support",
     "write_kv_scales",
 ]
 
@@ -200,25 +201,17 @@ def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
     return {"layout": layout, "fp8": "float8_e4m3fn", "fp8_max": FP8_MAX, "note": note, "layers": layers}
 
 
-def legacy_sglang_json(scales: dict[int, tuple[float, float]], tp_size: int = 8) -> dict[str, Any]:
-    """The `--quantization-param-path` file older SGLang (and vLLM) read: one K scale per layer and rank.
+def scale_tensors(scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, torch.Tensor]:
+    """The KV-scale tensors (float32 [1]) under every name an engine or transformers reads for the family.
 
-    Loaders check that there is one entry per tensor-parallel rank, so the scale is repeated per rank.
+    Names come from `quantkit.engines.kv_scale_names` (MLA needs SGLang's `k_proj.k_scale` spelling too).
     """
-    per_layer = {str(i): float(k) for i, (k, _v) in sorted(scales.items())}
-    return {
-        "model_type": "llama",  # required by the schema; ignored for the scales
-        "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {str(r): dict(per_layer) for r in range(tp_size)}},
-    }
+    from quantkit.engines import kv_scale_names
 
-
-def scale_tensors(scales: dict[int, tuple[float, float]], prefix: str = "") -> dict[str, torch.Tensor]:
-    """`model.layers.N.self_attn.{k,v}_scale` tensors (float32 [1])."""
     out = {}
     for layer, (k, v) in sorted(scales.items()):
-        base = f"{prefix}model.layers.{layer}.self_attn"
-        out[f"{base}.k_scale"] = torch.tensor([k], dtype=torch.float32)
-        out[f"{base}.v_scale"] = torch.tensor([v], dtype=torch.float32)
+        for name in kv_scale_names(adapter, layer):
+            out[name] = torch.tensor([k if name.endswith("k_scale") else v], dtype=torch.float32)
     return out
 
 
@@ -226,12 +219,27 @@ def scale_tensors(scales: dict[int, tuple[float, float]], prefix: str = "") -> d
 KV_SHARD = "kv_cache_scales.safetensors"
 
 
-def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], prefix: str = "") -> list[str]:
+def require_kv_scheme_support(config_path: Path, config: dict[str, Any]) -> None:
+    """Raise unless `config` is a compressed-tensors config, the only place engines read KV scales from."""
+    qc = config.get("quantization_config")
+    if not qc or qc.get("quant_method") != "compressed-tensors":
+        # transformers and the engines read kv_cache_scheme only inside a compressed-tensors config with
+        # weight groups; inventing one for a BF16 / FP8-block model would make it unloadable.
+        method = qc.get("quant_method") if qc else "none (unquantized)"
+        raise QuantkitError(
+            f"{config_path}: quantization method {method} has no kv_cache_scheme, and no engine loads KV scales "
+            "for this architecture another way (SGLang's --quantization-param-path fails for it); convert to INT4 "
+            "with --kv-cache fp8, or run kv-scales on the INT4 output"
+        )
+
+
+def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], adapter: Adapter) -> list[str]:
     """Add k/v scale tensors to checkpoint `ckpt` without touching its weight shards.
 
     Writes one small extra shard, points the index at it (creating an index for a single-file model)
     and sets `kv_cache_scheme` in the compressed-tensors `quantization_config` (other checkpoints are
-    refused: they get the legacy JSON only). Each file is replaced
+    refused: none of these architectures has a loader for the legacy `--quantization-param-path` JSON in
+    SGLang, so scales without a compressed-tensors config would reach no engine). Each file is replaced
     atomically; config.json goes last, so a crash leaves either the old or the new checkpoint.
     """
     from safetensors import safe_open
@@ -239,16 +247,9 @@ def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], prefix: 
 
     config_path = ckpt / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    qc = config.get("quantization_config")
-    if not qc or qc.get("quant_method") != "compressed-tensors":
-        # transformers and the engines read kv_cache_scheme only inside a compressed-tensors config with
-        # weight groups; inventing one for a BF16 / FP8-block model would make it unloadable.
-        method = qc.get("quant_method") if qc else "none (unquantized)"
-        raise QuantkitError(
-            f"{config_path}: quantization method {method} has no kv_cache_scheme; serve with the legacy "
-            f"JSON ({'kv_cache_scales.json'}) via --quantization-param-path, or convert to INT4 first"
-        )
-    tensors = scale_tensors(scales, prefix)
+    require_kv_scheme_support(config_path, config)
+    qc = config["quantization_config"]
+    tensors = scale_tensors(scales, adapter)
     _atomic(ckpt / KV_SHARD, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     index_path = ckpt / "model.safetensors.index.json"
     if index_path.exists():

@@ -14,18 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.arch import text_config
+from quantkit.arch import family_for, text_config
 from quantkit.errors import QuantkitError
 
 __all__ = ["hf_config", "decoder_class", "build_layer", "rotary", "causal_mask"]
 
-# model_type (of the text model) -> (transformers module, decoder-layer class, rotary class)
-_CLASSES = {
-    "deepseek_v3": ("deepseek_v3", "DeepseekV3DecoderLayer", "DeepseekV3RotaryEmbedding"),
-    "kimi_k2": ("deepseek_v3", "DeepseekV3DecoderLayer", "DeepseekV3RotaryEmbedding"),
-    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaDecoderLayer", "GlmMoeDsaRotaryEmbedding"),
-    "glm4_moe": ("glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRotaryEmbedding"),
-}
 
 
 def hf_config(config: dict[str, Any]) -> Any:
@@ -34,11 +27,12 @@ def hf_config(config: dict[str, Any]) -> Any:
 
     text = dict(text_config(config))
     model_type = text.pop("model_type", None)
-    if model_type not in _CLASSES:
-        raise QuantkitError(f"config.json: no calibration support for model_type {model_type!r}")
+    try:
+        hf_type = family_for(model_type).transformers.module
+    except QuantkitError:
+        raise QuantkitError(f"config.json: no calibration support for model_type {model_type!r}") from None
     for key in ("quantization_config", "auto_map", "architectures", "transformers_version"):
         text.pop(key, None)
-    hf_type = _CLASSES[model_type][0]
     cfg = AutoConfig.for_model(hf_type, **text)
     cfg._attn_implementation = "sdpa"
     return cfg
@@ -47,17 +41,17 @@ def hf_config(config: dict[str, Any]) -> Any:
 def _module(model_type: str) -> Any:
     import importlib
 
-    name = _CLASSES[model_type][0]
+    name = family_for(model_type).transformers.module
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
 def decoder_class(cfg: Any) -> type[nn.Module]:
-    return getattr(_module(cfg.model_type), _CLASSES[cfg.model_type][1])
+    return getattr(_module(cfg.model_type), family_for(cfg.model_type).transformers.decoder_layer)
 
 
 def rotary(cfg: Any) -> nn.Module:
     """The model-level rotary embedding (it has no weights, only buffers computed from the config)."""
-    return getattr(_module(cfg.model_type), _CLASSES[cfg.model_type][2])(cfg)
+    return getattr(_module(cfg.model_type), family_for(cfg.model_type).transformers.rotary)(cfg)
 
 
 def causal_mask(batch: int, seq: int) -> torch.Tensor:

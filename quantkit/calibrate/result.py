@@ -12,14 +12,13 @@ from typing import Any
 
 from safetensors import safe_open
 
-from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report, legacy_sglang_json
+from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report
 from quantkit.quant.int4 import PackedInt4
 
-__all__ = ["CalibrationResult", "COVERAGE_FILE", "KV_REPORT_FILE", "KV_LEGACY_FILE"]
+__all__ = ["CalibrationResult", "COVERAGE_FILE", "KV_REPORT_FILE"]
 
 COVERAGE_FILE = "calibration_coverage.json"
 KV_REPORT_FILE = "kv_cache_report.json"
-KV_LEGACY_FILE = "kv_cache_scales.json"  # for `--quantization-param-path` (older SGLang / vLLM), TP 8
 
 
 class CalibrationResult:
@@ -110,8 +109,12 @@ class CalibrationResult:
             "gptq_better_than_rtn": sum(g <= r for g, r in pairs),
         }
 
-    def write_reports(self, out_dir: Path, tp_size: int = 8) -> list[str]:
-        """Write the coverage JSON, the KV report and the legacy SGLang KV JSON; return the file names."""
+    def write_reports(self, out_dir: Path) -> list[str]:
+        """Write the coverage JSON and the KV report; return the file names.
+
+        No legacy `kv_cache_scales.json`: SGLang's `--quantization-param-path` fails the load for every
+        architecture quantkit supports (their model classes have no `load_kv_cache_scales`).
+        """
         out_dir = Path(out_dir)
         written = []
         if self.coverage or self.modules:
@@ -120,9 +123,6 @@ class CalibrationResult:
         if self.kv:
             _dump(out_dir / KV_REPORT_FILE, kv_report(self.kv, self.adapter.kv_layout))
             written.append(KV_REPORT_FILE)
-        if self.kv_scales:
-            _dump(out_dir / KV_LEGACY_FILE, legacy_sglang_json(self.kv_scales, tp_size))
-            written.append(KV_LEGACY_FILE)
         return written
 
     def summary(self) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from quantkit.arch import Adapter
 from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.source import SourceCheckpoint, open_source
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
@@ -40,10 +41,11 @@ from quantkit.convert.publish import (
     write_json,
 )
 from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_name
+from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_roles
 from quantkit.errors import QuantkitError
 from quantkit.recipe import Recipe
 
-__all__ = ["ConvertResult", "Reporter", "convert"]
+__all__ = ["ConvertResult", "Reporter", "check_recipe_loadable", "convert"]
 
 _RUN_FILE = "run.json"
 _KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
@@ -94,6 +96,7 @@ def convert(
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     _check_paths(src_path, out_path, force)
     source = open_source(src_path)
+    check_recipe_loadable(source.adapter, recipe)
     plans = plan_conversion(source, recipe)
     partial = out_path.with_name(out_path.name + ".partial")
     done = _prepare_partial(partial, source, recipe, report)
@@ -111,7 +114,7 @@ def convert(
 
     journal = [_read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
-        journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter.prefix))
+        journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
     weight_map = finalize_shards(partial, journal)
     output_bytes = _write_metadata(source, recipe, plans, partial, weight_map, calibration)
     publish(partial, out_path, force)
@@ -213,11 +216,20 @@ def _drain(queue: Any, report: Reporter) -> None:
 
 
 # ---- metadata -----------------------------------------------------------------------------------
-def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], prefix: str) -> dict[str, Any]:
-    """KV scales as one extra part file: `[prefix]model.layers.N.self_attn.{k,v}_scale`, float32 [1]."""
+def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
+    """Refuse a recipe that quantizes a role an engine builds unquantized (the output could not be served)."""
+    refused = unloadable_roles(adapter, recipe.quantize_roles)
+    if refused:
+        role, why = next(iter(refused.items()))
+        raise QuantkitError(f"recipe {recipe.name}: quantize_roles has {role.value!r}, but {why}; "
+                            "remove it from quantize_roles")
+
+
+def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, Any]:
+    """KV scales as one extra part file, under the names of `quantkit.engines.kv_scale_names`, float32 [1]."""
     from quantkit.calibrate.kv import scale_tensors
 
-    tensors = scale_tensors(kv_scales, prefix)
+    tensors = scale_tensors(kv_scales, adapter)
     name = part_name(_KV_SHARD_INDEX, 0)
     writer = StreamingShardWriter(partial / "parts" / name, [PlannedTensor(n, torch.float32, (1,)) for n in tensors])
     for n, t in tensors.items():
@@ -262,10 +274,17 @@ def _write_metadata(
         "output": {"bytes": sum(shard_bytes.values()), "shards": shard_bytes, "files_copied": copied,
                    "files_skipped": skipped, "reports": reports},
         "summary": summary,
+        "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
         "tensors": tensors,
     }
     write_json(partial / MANIFEST_FILE, manifest)
     return sum(shard_bytes.values())
+
+
+def _kv_report(partial: Path, reports: list[str]) -> dict[str, Any] | None:
+    from quantkit.calibrate.result import KV_REPORT_FILE
+
+    return json.loads((partial / KV_REPORT_FILE).read_text(encoding="utf-8")) if KV_REPORT_FILE in reports else None
 
 
 def _data_bytes(partial: Path, shard_bytes: dict[str, int]) -> int:

@@ -93,9 +93,7 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         source = resolve_model(model)
         if compare:
             rows = plan_compare(source, dep, group_size)
-            text = get_adapter(source.config).config
-            fused = text.get("model_type") == "deepseek_v3" and text.get("n_routed_experts") == 256
-            rec = recommend(rows, str(text.get("model_type")), fused)
+            rec = recommend(rows, source.config, group_size)
             if as_json:
                 _print_json(rows)
                 return

@@ -1,0 +1,176 @@
+"""One record per model family: every fact quantkit holds about an architecture, in one place.
+
+A family is a set of model types that share tensor names and a decoder layer. Its record says which
+transformers classes run it (calibration), its default recipe per model type, its KV-cache layout, how
+its MTP layer is laid out, what the serving engines do differently for it (the quirks found by executing
+their loader code, see docs/engines.md) and the shape of the synthetic model the tests generate.
+Adding a family is one `Family(...)` here plus its tests; everything else looks the record up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from quantkit.errors import QuantkitError
+
+__all__ = [
+    "FAMILIES",
+    "WRAPPERS",
+    "Family",
+    "KVLayout",
+    "TransformersClasses",
+    "Wrapper",
+    "family_for",
+    "family_of_config",
+]
+
+
+class KVLayout(str, Enum):
+    """What one token of KV cache is for a family (and so what an FP8 KV scale means)."""
+
+    MLA = "mla"  # one compressed latent (kv_lora_rank) + the rope key, shared by K and V
+    DSA = "dsa"  # MLA plus the sparse-attention indexer's own key cache
+    GQA = "gqa"  # per-head K and V
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TransformersClasses:
+    """Where transformers implements the family (used by layer-by-layer calibration)."""
+
+    module: str  # transformers.models.<module>.modeling_<module>
+    decoder_layer: str
+    rotary: str
+
+
+@dataclass(frozen=True)
+class EngineQuirks:
+    """What SGLang / vLLM do differently for this family (each entry names the engine source that decides it)."""
+
+    # SGLang turns shared-expert fusion on for W4A16 and then renames `shared_experts.*` to the fused expert
+    # slot, which a WNA16 MoE layer cannot load (glm4_moe.py: shared_experts_fusion_disable_reason).
+    sglang_fuses_shared_experts: bool = False
+    # SGLang builds the attention's RadixAttention with quant_config, so a k_scale parameter exists.
+    sglang_loads_kv_scales: bool = True
+    # vLLM's attention for the family is an `Attention` (gets the compressed-tensors KV method);
+    # MLAAttention is not, so checkpoint KV scales have no effect there.
+    vllm_applies_kv_scales: bool = True
+
+
+@dataclass(frozen=True)
+class Family:
+    """The facts about one architecture family."""
+
+    name: str  # tensor-name family and transformers model_type of the text model
+    model_types: tuple[str, ...]  # text-model `model_type`s served by this record
+    architecture: str  # `architectures[0]` of a release (and of the synthetic model)
+    transformers: TransformersClasses
+    default_recipes: dict[str, str]  # model_type -> preset in recipes/
+    kv_layout: KVLayout
+    mtp_own_embedding: bool  # MTP layers carry their own embed_tokens and shared_head.head
+    quirks: EngineQuirks
+    # config.json keys of the synthetic model beyond the common ones, from (hidden, heads)
+    synth: Callable[[int, int], dict[str, Any]] = field(repr=False)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal release whose language model sits under a name prefix (vision tower kept as is)."""
+
+    model_type: str
+    prefix: str
+    architecture: str
+    default_recipe: str
+    kept_patterns: tuple[str, ...]  # ignore entries for the non-language modules
+
+
+def _mla_synth(hidden: int, heads: int) -> dict[str, Any]:
+    head = hidden // heads
+    return dict(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
+                v_head_dim=head, num_key_value_heads=heads)
+
+
+def _dsa_synth(hidden: int, heads: int) -> dict[str, Any]:
+    return dict(_mla_synth(hidden, heads), index_n_heads=2, index_head_dim=hidden // 2, index_topk=16)
+
+
+def _gqa_synth(hidden: int, heads: int) -> dict[str, Any]:
+    return dict(num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, partial_rotary_factor=0.5,
+                use_qk_norm=True, attention_bias=True)
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="deepseek_v3",
+            model_types=("deepseek_v3", "kimi_k2"),
+            architecture="DeepseekV3ForCausalLM",
+            transformers=TransformersClasses("deepseek_v3", "DeepseekV3DecoderLayer", "DeepseekV3RotaryEmbedding"),
+            default_recipes={"deepseek_v3": "deepseek-v3-w4a16-g32", "kimi_k2": "kimi-k2-w4a16-g32"},
+            kv_layout=KVLayout.MLA,
+            mtp_own_embedding=True,
+            quirks=EngineQuirks(vllm_applies_kv_scales=False),
+            synth=_mla_synth,
+            description="DeepSeek V3/R1, Kimi K2.x: MLA attention",
+        ),
+        Family(
+            name="glm_moe_dsa",
+            model_types=("glm_moe_dsa",),
+            architecture="GlmMoeDsaForCausalLM",
+            transformers=TransformersClasses("glm_moe_dsa", "GlmMoeDsaDecoderLayer", "GlmMoeDsaRotaryEmbedding"),
+            default_recipes={"glm_moe_dsa": "glm5-w4a16-g32"},
+            kv_layout=KVLayout.DSA,
+            mtp_own_embedding=False,
+            quirks=EngineQuirks(vllm_applies_kv_scales=False),
+            synth=_dsa_synth,
+            description="GLM-5.x: MLA attention plus the DSA indexer",
+        ),
+        Family(
+            name="glm4_moe",
+            model_types=("glm4_moe",),
+            architecture="Glm4MoeForCausalLM",
+            transformers=TransformersClasses("glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRotaryEmbedding"),
+            default_recipes={"glm4_moe": "glm4-w4a16-g32"},
+            kv_layout=KVLayout.GQA,
+            mtp_own_embedding=False,
+            quirks=EngineQuirks(sglang_fuses_shared_experts=True, sglang_loads_kv_scales=False),
+            synth=_gqa_synth,
+            description="GLM-4.5 .. 4.7: GQA attention with qk-norm",
+        ),
+    )
+}
+
+WRAPPERS: dict[str, Wrapper] = {
+    "kimi_k25": Wrapper(
+        model_type="kimi_k25",
+        prefix="language_model.",
+        architecture="KimiK25ForConditionalGeneration",
+        default_recipe="kimi-k2-w4a16-g32",
+        kept_patterns=(r"re:.*vision_tower.*", r"re:.*mm_projector.*"),
+    ),
+}
+
+
+def family_for(model_type: str | None) -> Family:
+    """The record serving a text-model `model_type`; QuantkitError for one quantkit does not know."""
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    known = ", ".join(sorted([*(t for f in FAMILIES.values() for t in f.model_types), *WRAPPERS]))
+    raise QuantkitError(f"config.json: unsupported model_type {model_type!r} (supported: {known})")
+
+
+def family_of_config(config: dict[str, Any]) -> tuple[Family, Wrapper | None, dict[str, Any]]:
+    """(family, wrapper or None, text-model config) of a `config.json`."""
+    wrapper = WRAPPERS.get(str(config.get("model_type")))
+    text = config.get("text_config") if wrapper is not None else config
+    if not isinstance(text, dict):
+        raise QuantkitError(f"config.json: model_type {config.get('model_type')!r} needs a text_config object")
+    return family_for(text.get("model_type")), wrapper, text

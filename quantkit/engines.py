@@ -1,0 +1,380 @@
+"""What SGLang and vLLM do with a quantkit checkpoint: per-engine verdicts, launch args and the KV scale used.
+
+Every rule below was read from the engines' released sources (the file and function are named next to
+it) and is confirmed by `tests/engines/`, which executes that engine code — config parsing, scheme
+selection, the shared-expert-fusion decision, `load_weights` name routing, KV-scale remapping — on
+checkpoints quantkit generates. The rules work on `CheckpointFacts`, which come either from a written
+checkpoint (its config and tensor names) or, for the planner, from a config and a recipe before anything
+is converted; both paths give the same record.
+
+A verdict is `loads`, `loads-with-warnings` (loads and serves correctly with the listed `args`; the notes
+say what to know) or `fails` (the engine refuses the checkpoint or would silently mis-serve it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from quantkit.arch import Adapter, KVLayout, Role, get_adapter
+
+__all__ = [
+    "ENGINES",
+    "ENGINE_VERSIONS",
+    "CheckpointFacts",
+    "Engine",
+    "EngineVerdict",
+    "KVCacheUse",
+    "Verdict",
+    "engine_verdicts",
+    "facts_from_checkpoint",
+    "facts_from_recipe",
+    "kv_scale_names",
+    "launch_command",
+    "read_checkpoint_facts",
+    "serving_record",
+    "unloadable_roles",
+    "update_serving_record",
+]
+
+Engine = Literal["sglang", "vllm"]
+Verdict = Literal["loads", "loads-with-warnings", "fails"]
+KVDtype = Literal["auto", "bfloat16", "fp8_e4m3", "fp8"]
+KVScale = Literal["calibrated", "1.0", "none", "per-tile"]
+
+ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
+ENGINE_VERSIONS: dict[Engine, str] = {"sglang": "0.5.23", "vllm": "0.33.0"}
+
+# Roles a vLLM model builds without a quantizable Linear (so `<module>.weight_packed` has nowhere to go):
+# lm_head is a ParallelLMHead, embeddings VocabParallelEmbedding, the router a GateLinear, the indexer's
+# fused wk_weights_proj gets quant_config=None, the MTP eh_proj/shared_head an nn.Linear
+# (deepseek_v2.py, deepseek_mtp.py; AutoWeightsLoader: "no module or parameter named ...weight_packed").
+_VLLM_UNQUANTIZED = {
+    Role.LM_HEAD: "ParallelLMHead",
+    Role.EMBEDDING: "VocabParallelEmbedding",
+    Role.ROUTER: "GateLinear",
+    Role.INDEXER: "the indexer's fused wk_weights_proj (quant_config=None)",
+    Role.MTP_OTHER: "the MTP layer's nn.Linear eh_proj / shared_head",
+}
+# SGLang's and vLLM's MLA attention post-process kv_b_proj.weight (split into W_UK / W_UV) as BF16.
+_MLA_UNQUANTIZED = {Role.ATTENTION: "MLA attention (kv_b_proj.weight is split into W_UK/W_UV at load)"}
+
+_SGLANG_SERVER = "python -m sglang.launch_server"
+_VLLM_SERVER = "vllm serve"
+
+
+@dataclass(frozen=True)
+class KVCacheUse:
+    """What KV cache an engine will really run for a checkpoint launched with the recorded args."""
+
+    dtype: KVDtype  # the --kv-cache-dtype the args set ("auto" = model dtype unless the config says FP8)
+    scale: KVScale  # calibrated (checkpoint scales applied), 1.0 (FP8 without them), none (BF16), per-tile
+    detail: str
+
+
+@dataclass
+class EngineVerdict:
+    """One engine's verdict on one checkpoint."""
+
+    engine: Engine
+    version: str
+    verdict: Verdict
+    args: list[str]
+    kv_cache: KVCacheUse
+    notes: list[str] = field(default_factory=list)  # what to know (optional flags, how a decision was made)
+    warnings: list[str] = field(default_factory=list)  # it serves, with a limitation the user must know
+    problems: list[str] = field(default_factory=list)  # it fails to load or would silently mis-serve
+    launch: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """The facts about a (planned or written) checkpoint that the engines' loaders decide on."""
+
+    adapter: Adapter
+    group_size: int
+    quantized_roles: frozenset[Role]
+    kv_cache_scheme: bool
+    kv_scale_names: frozenset[str]  # KV scale tensors present (full names)
+    indexer_layers: tuple[int, ...]  # layers whose DSA indexer weights are present
+    mtp_present: bool
+    kv_saturation_at_1: float | None = None  # worst layer's saturated fraction at scale 1.0 (calibration report)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.quantized_roles)
+
+
+def kv_scale_names(adapter: Adapter, layer: int) -> list[str]:
+    """The KV-scale tensor names quantkit writes for one layer, so that every consumer finds them.
+
+    GQA: `self_attn.{k,v}_scale` (vLLM remaps it to `self_attn.attn.*`; transformers reads it).
+    MLA: the same names for transformers / compressed-tensors, plus `self_attn.k_proj.k_scale` and
+    `self_attn.v_proj.v_scale`, the only names SGLang's DeepSeek loader remaps to its `attn_mqa`
+    (deepseek_weight_loader.py: do_load_weights). DSA: none (the engines scale FP8 tiles themselves).
+    """
+    base = f"{adapter.prefix}model.layers.{layer}.self_attn"
+    if adapter.kv_layout == KVLayout.DSA:
+        return []
+    names = [f"{base}.k_scale", f"{base}.v_scale"]
+    if adapter.kv_layout == KVLayout.MLA:
+        names += [f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"]
+    return names
+
+
+def unloadable_roles(adapter: Adapter, roles: Iterable[Role]) -> dict[Role, str]:
+    """Roles a recipe asks to quantize that an engine builds unquantized -> why (engine and module class)."""
+    rules = dict(_VLLM_UNQUANTIZED)
+    if adapter.kv_layout in (KVLayout.MLA, KVLayout.DSA):
+        rules.update(_MLA_UNQUANTIZED)
+    out = {}
+    for role in roles:
+        if role in rules:
+            engine = "SGLang and vLLM" if role in _MLA_UNQUANTIZED else f"vLLM {ENGINE_VERSIONS['vllm']}"
+            out[role] = f"{engine} build {rules[role]} unquantized and cannot load it as INT4"
+    return out
+
+
+# ---- facts ----------------------------------------------------------------------------------------
+_LAYER_OF = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def facts_from_checkpoint(config: dict[str, Any], tensor_names: Iterable[str],
+                          kv_report: dict[str, Any] | None = None) -> CheckpointFacts:
+    """Facts of a written checkpoint: its config.json and the tensor names its shards hold."""
+    adapter = get_adapter(config)
+    names = set(tensor_names)
+    qc = config.get("quantization_config") or {}
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = (groups[0].get("weights") or {}) if groups else {}
+    roles = frozenset(adapter.classify(n).role for n in names if n.endswith(".weight_packed"))
+    indexer = sorted({int(m.group(1)) for n in names if ".self_attn.indexer." in n and (m := _LAYER_OF.search(n))})
+    mtp = any(_LAYER_OF.search(n) and int(_LAYER_OF.search(n).group(1)) >= adapter.num_layers  # type: ignore[union-attr]
+              for n in names)
+    return CheckpointFacts(
+        adapter=adapter,
+        group_size=int(weights.get("group_size") or 0),
+        quantized_roles=roles,
+        kv_cache_scheme=bool(qc.get("kv_cache_scheme")),
+        kv_scale_names=frozenset(n for n in names if n.endswith(("k_scale", "v_scale"))),
+        indexer_layers=tuple(indexer),
+        mtp_present=mtp,
+        kv_saturation_at_1=_worst_saturation(kv_report),
+    )
+
+
+def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[Role],
+                      kv_scales: bool) -> CheckpointFacts:
+    """Facts of the checkpoint quantkit would write for `config` with a recipe (used by the planner)."""
+    adapter = get_adapter(config)
+    # calibration measures the decoder layers; the MTP layer gets no KV scale
+    names = [n for layer in range(adapter.num_layers) for n in kv_scale_names(adapter, layer)] if kv_scales else []
+    return CheckpointFacts(
+        adapter=adapter,
+        group_size=group_size,
+        quantized_roles=frozenset(roles),
+        kv_cache_scheme=bool(names),
+        kv_scale_names=frozenset(names),
+        indexer_layers=tuple(adapter.indexer_layers()),
+        mtp_present=adapter.num_mtp_layers > 0,
+    )
+
+
+def _worst_saturation(kv_report: dict[str, Any] | None) -> float | None:
+    if not kv_report or not kv_report.get("layers"):
+        return None
+    worst = 0.0
+    for layer in kv_report["layers"]:
+        for key in ("kv", "k", "v"):
+            if key in layer:
+                worst = max(worst, float(layer[key]["at_scale_1"]["saturated"]))
+    return worst
+
+
+def _has_scales(facts: CheckpointFacts, suffixes: tuple[str, ...]) -> bool:
+    return any(n.endswith(suffixes) for n in facts.kv_scale_names)
+
+
+# ---- rules ------------------------------------------------------------------------------------------
+def _common_problems(facts: CheckpointFacts, engine: Engine) -> list[str]:
+    problems = []
+    for role, why in unloadable_roles(facts.adapter, facts.quantized_roles).items():
+        if engine == "vllm" or role in _MLA_UNQUANTIZED:
+            problems.append(f"{role.value} is quantized: {why}")
+    return problems
+
+
+def _sglang(facts: CheckpointFacts) -> EngineVerdict:
+    a, q = facts.adapter, facts.adapter.record.quirks
+    args: list[str] = []
+    notes: list[str] = []
+    warnings: list[str] = []
+    problems = _common_problems(facts, "sglang")
+    if facts.quantized:
+        # WNA16 MoE: Marlin is the Hopper kernel; the Triton WNA16 MoE accepts group 32 and 128 only
+        # (layers/moe/... _is_wna16_triton_moe_supported) and raises for 64.
+        args += ["--moe-runner-backend", "marlin"]
+        if facts.group_size == 64:
+            warnings.append("group 64: --moe-runner-backend triton raises in SGLang (its WNA16 Triton MoE takes "
+                         "groups 32 and 128); keep marlin")
+    shared = int(a.config.get("n_shared_experts") or 0)
+    if q.sglang_fuses_shared_experts and shared and facts.quantized and Role.SHARED_EXPERT not in facts.quantized_roles:
+        # glm4_moe.py: shared_experts_fusion_disable_reason refuses fusion only for w4afp8, so
+        # resolve_shared_experts_config fuses; load_weights then renames shared_experts.* to the fused
+        # expert slot, `w13_weight`, which a WNA16 MoE layer does not have: the tensors are dropped silently.
+        args.append("--disable-shared-experts-fusion")
+        notes.append("BF16 shared experts next to INT4 routed experts: shared-expert fusion must be off, or "
+                     "SGLang drops the shared experts without a warning")
+    # KV cache (mem_cache/kv_cache_dtype.py: configure_kv_cache_dtype: with "auto", a compressed-tensors
+    # kv_cache_scheme makes the cache FP8 whether or not any scale loaded).
+    if a.kv_layout == KVLayout.DSA:
+        kv = KVCacheUse("auto", "per-tile", "DSA: the engine computes FP8 tile scales itself; no checkpoint scales")
+        if facts.kv_cache_scheme:
+            problems.append("kv_cache_scheme on a DSA model switches SGLang to FP8 KV with no scale to apply")
+    elif not facts.kv_cache_scheme:
+        kv = KVCacheUse("auto", "none", "BF16 KV cache (no kv_cache_scheme)")
+        if facts.kv_scale_names:
+            warnings.append("KV scales present without kv_cache_scheme: SGLang ignores them")
+    elif a.kv_layout == KVLayout.MLA:
+        if _has_scales(facts, ("k_proj.k_scale", "attn_mqa.k_scale")):
+            args += ["--kv-cache-dtype", "fp8_e4m3"]
+            kv = KVCacheUse("fp8_e4m3", "calibrated", "FP8 KV with the calibrated per-layer scale "
+                            "(self_attn.k_proj.k_scale -> attn_mqa.k_scale)")
+        else:
+            # deepseek_weight_loader.py: do_load_weights remaps only k_proj/v_proj scale names.
+            kv = KVCacheUse("fp8_e4m3", "1.0", "self_attn.k_scale is not a name SGLang loads: KV silently FP8 "
+                            "at scale 1.0")
+            problems.append("MLA KV scales under names SGLang skips while kv_cache_scheme switches it to FP8 KV "
+                            "at scale 1.0 (rewrite with quantkit kv-scales)")
+    else:  # GQA
+        if not q.sglang_loads_kv_scales:
+            # glm4_moe.py: Glm4MoeAttention builds RadixAttention without quant_config: no k_scale parameter.
+            args += ["--kv-cache-dtype", "bfloat16"]
+            kv = KVCacheUse("bfloat16", "none", "SGLang cannot load this family's GQA KV scales; "
+                            "--kv-cache-dtype bfloat16 keeps kv_cache_scheme from switching to FP8 at scale 1.0")
+            warnings.append("calibrated KV scales are used by vLLM only; SGLang serves BF16 KV "
+                         "(--kv-cache-dtype fp8_e4m3 would run FP8 at scale 1.0)")
+        else:
+            args += ["--kv-cache-dtype", "fp8_e4m3"]
+            kv = KVCacheUse("fp8_e4m3", "calibrated", "FP8 KV with calibrated K and V scales")
+    problems += _indexer_problems(facts, "transformers", "SGLang (indexer_types, else index_topk_*)")
+    if facts.mtp_present:
+        notes.append("MTP layer present: add --speculative-algorithm NEXTN for speculative decoding")
+    return _verdict("sglang", args, kv, notes, warnings, problems)
+
+
+def _vllm(facts: CheckpointFacts) -> EngineVerdict:
+    a, q = facts.adapter, facts.adapter.record.quirks
+    args: list[str] = []
+    notes: list[str] = []
+    warnings: list[str] = []
+    problems = _common_problems(facts, "vllm")
+    if not facts.kv_scale_names:
+        kv = KVCacheUse("auto", "per-tile" if a.kv_layout == KVLayout.DSA else "none",
+                        "BF16 KV cache" if a.kv_layout != KVLayout.DSA else "DSA: engine-side FP8 tile scales")
+    elif not q.vllm_applies_kv_scales:
+        # MLAAttention is not an Attention subclass: get_quant_method gives it no KV method and
+        # weight_utils.maybe_remap_kv_scale_name returns None, so the scales are skipped.
+        sat = facts.kv_saturation_at_1
+        at_one = f"; at scale 1.0 the worst layer saturates {sat:.4%} of values" if sat is not None else ""
+        kv = KVCacheUse("auto", "none", "vLLM's MLA ignores checkpoint KV scales: BF16 KV by default; "
+                        f"--kv-cache-dtype fp8 would use scale 1.0{at_one}")
+        warnings.append("calibrated KV scales are not applied by vLLM for MLA (kept for SGLang and transformers)")
+    elif facts.kv_cache_scheme:
+        args += ["--kv-cache-dtype", "fp8"]
+        kv = KVCacheUse("fp8", "calibrated", "FP8 KV with calibrated K and V scales (self_attn.attn.k_scale)")
+    else:
+        kv = KVCacheUse("auto", "none", "KV scales present without kv_cache_scheme: vLLM creates no KV method")
+        warnings.append(kv.detail)
+    problems += _indexer_problems(facts, "vllm", "vLLM (index_topk_pattern / index_topk_freq)")
+    if facts.mtp_present:
+        notes.append('MTP layer present: add --speculative-config \'{"method": "mtp", "num_speculative_tokens": 1}\'')
+    return _verdict("vllm", args, kv, notes, warnings, problems)
+
+
+def _indexer_problems(facts: CheckpointFacts, rule: Literal["transformers", "vllm"], who: str) -> list[str]:
+    """The engine builds an indexer exactly where its placement rule says; one without weights is garbage."""
+    a = facts.adapter
+    if a.kv_layout != KVLayout.DSA:
+        return []
+    expected = set(a.indexer_layers(rule))
+    if not facts.mtp_present:
+        expected = {i for i in expected if i < a.num_layers}
+    present = set(facts.indexer_layers)
+    problems = []
+    if expected - present:
+        problems.append(f"{who} builds DSA indexers in layers {sorted(expected - present)[:6]} whose weights "
+                        "the checkpoint lacks (left uninitialised); config and tensors disagree")
+    if present - expected:
+        problems.append(f"indexer weights of layers {sorted(present - expected)[:6]} have no indexer in {who}")
+    return problems
+
+
+def _verdict(engine: Engine, args: list[str], kv: KVCacheUse, notes: list[str], warnings: list[str],
+             problems: list[str]) -> EngineVerdict:
+    verdict: Verdict = "fails" if problems else ("loads-with-warnings" if warnings else "loads")
+    v = EngineVerdict(engine, ENGINE_VERSIONS[engine], verdict, args, kv, notes, warnings, problems)
+    v.launch = [launch_command(engine, args)]
+    return v
+
+
+def launch_command(engine: Engine, args: list[str], model: str = "<MODEL>", tp: int = 8,
+                   extra: list[str] | None = None) -> str:
+    """The server command line for one engine: the model, tensor parallelism, the checkpoint's args."""
+    if engine == "sglang":
+        parts = [_SGLANG_SERVER, "--model-path", model, "--tp-size", str(tp)]
+    else:
+        parts = [_VLLM_SERVER, model, "--tensor-parallel-size", str(tp)]
+    return " ".join(parts + list(extra or []) + list(args))
+
+
+def engine_verdicts(facts: CheckpointFacts, engines: Iterable[Engine] = ENGINES) -> dict[Engine, EngineVerdict]:
+    """Each engine's verdict, args and KV-cache use for a checkpoint."""
+    rules = {"sglang": _sglang, "vllm": _vllm}
+    return {e: rules[e](facts) for e in engines}
+
+
+def serving_record(facts: CheckpointFacts) -> dict[str, Any]:
+    """The `serving` block of quantkit.json: per engine version, verdict, args, KV use, notes, launch line."""
+    return {e: v.to_dict() for e, v in engine_verdicts(facts).items()}
+
+
+def read_checkpoint_facts(ckpt: Path) -> CheckpointFacts:
+    """Facts of a checkpoint directory from its config.json, index (or single shard) and KV report."""
+    import json
+
+    from quantkit.checkpoint.safetensors_header import read_header
+
+    config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        names: Iterable[str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    else:
+        names = [n for p in sorted(ckpt.glob("*.safetensors")) for n in read_header(p).tensors]
+    report = ckpt / "kv_cache_report.json"
+    kv_report = json.loads(report.read_text(encoding="utf-8")) if report.exists() else None
+    return facts_from_checkpoint(config, names, kv_report)
+
+
+def update_serving_record(ckpt: Path) -> list[str]:
+    """Recompute `serving` in a checkpoint's quantkit.json (after KV scales were added); returns files written."""
+    import json
+    import os
+
+    from quantkit.convert.publish import MANIFEST_FILE, write_json
+
+    path = ckpt / MANIFEST_FILE
+    if not path.exists():
+        return []
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    manifest["serving"] = serving_record(read_checkpoint_facts(ckpt))
+    tmp = path.with_name(path.name + ".tmp")
+    write_json(tmp, manifest)
+    os.replace(tmp, path)
+    return [MANIFEST_FILE]

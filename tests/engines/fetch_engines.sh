@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Fetch the engines whose loader code the conformance tests execute: the released PyPI wheels of
+# SGLang and vLLM, unpacked as plain Python under .cache/engines/src (never vendored into the repo),
+# vLLM's pinned compressed-tensors in its own directory (never the project venv), and the few
+# pure-Python modules the engines import at module level. Idempotent; a finished step is kept.
+# Usage: tests/engines/fetch_engines.sh [PYTHON]   (env: SGLANG_VERSION, VLLM_VERSION to try others)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${1:-.venv/bin/python}
+SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
+VLLM_VERSION=${VLLM_VERSION:-0.33.0}
+VLLM_CT_VERSION=${VLLM_CT_VERSION:-0.17.0}
+ROOT=.cache/engines
+STAMP="$ROOT/.ready-sglang-$SGLANG_VERSION-vllm-$VLLM_VERSION"
+[ -f "$STAMP" ] && exit 0
+mkdir -p "$ROOT/wheels"
+
+fetch() {  # fetch NAME VERSION DEST: download the wheel (no deps) and unpack it into DEST
+  local name=$1 version=$2 dest=$3
+  [ -f "$dest/.unpacked-$version" ] && return 0
+  "$PY" -m pip download -q --no-deps "$name==$version" -d "$ROOT/wheels"
+  rm -rf "$dest" && mkdir -p "$dest"
+  local wheel
+  wheel=$(ls "$ROOT"/wheels/"${name//-/_}"-"$version"-*.whl | head -n 1)
+  "$PY" -m zipfile -e "$wheel" "$dest"
+  touch "$dest/.unpacked-$version"
+}
+
+fetch sglang "$SGLANG_VERSION" "$ROOT/src/sglang"
+fetch vllm "$VLLM_VERSION" "$ROOT/src/vllm"
+fetch compressed-tensors "$VLLM_CT_VERSION" "$ROOT/ct017"
+
+# Pure-Python modules the engines import at module level that the project venv lacks (no compiled code).
+deps() {  # deps DIR REQ...
+  local dir=$1; shift
+  [ $# -eq 0 ] && return 0
+  "$PY" -m pip install -q --no-deps --target "$dir" "$@"
+}
+SGLANG_DEPS=()
+VLLM_DEPS=()
+deps "$ROOT/deps-sglang" "${SGLANG_DEPS[@]}"
+deps "$ROOT/deps-vllm" "${VLLM_DEPS[@]}"
+touch "$STAMP"
