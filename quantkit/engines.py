@@ -88,6 +88,7 @@ class EngineVerdict:
     warnings: list[str] = field(default_factory=list)  # it serves, with a limitation the user must know
     problems: list[str] = field(default_factory=list)  # it fails to load or would silently mis-serve
     launch: list[str] = field(default_factory=list)
+    ignored_tensors: list[str] = field(default_factory=list)  # checkpoint tensors the engine skips by design
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,9 +265,13 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
             args += ["--kv-cache-dtype", "fp8_e4m3"]
             kv = KVCacheUse("fp8_e4m3", "calibrated", "FP8 KV with calibrated K and V scales")
     problems += _indexer_problems(facts, "transformers", "SGLang (indexer_types, else index_topk_*)")
+    if a.kv_layout == KVLayout.MLA:  # transformers' spelling; SGLang reads the k_proj/v_proj one
+        ignored = [n for n in facts.kv_scale_names if n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
+    else:
+        ignored = [] if q.sglang_loads_kv_scales else list(facts.kv_scale_names)
     if facts.mtp_present:
         notes.append("MTP layer present: add --speculative-algorithm NEXTN for speculative decoding")
-    return _verdict("sglang", args, kv, notes, warnings, problems)
+    return _verdict("sglang", args, kv, notes, warnings, problems, ignored)
 
 
 def _vllm(facts: CheckpointFacts) -> EngineVerdict:
@@ -293,9 +298,10 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
         kv = KVCacheUse("auto", "none", "KV scales present without kv_cache_scheme: vLLM creates no KV method")
         warnings.append(kv.detail)
     problems += _indexer_problems(facts, "vllm", "vLLM (index_topk_pattern / index_topk_freq)")
+    ignored = [] if q.vllm_applies_kv_scales else list(facts.kv_scale_names)
     if facts.mtp_present:
         notes.append('MTP layer present: add --speculative-config \'{"method": "mtp", "num_speculative_tokens": 1}\'')
-    return _verdict("vllm", args, kv, notes, warnings, problems)
+    return _verdict("vllm", args, kv, notes, warnings, problems, ignored)
 
 
 def _indexer_problems(facts: CheckpointFacts, rule: Literal["transformers", "vllm"], who: str) -> list[str]:
@@ -317,11 +323,10 @@ def _indexer_problems(facts: CheckpointFacts, rule: Literal["transformers", "vll
 
 
 def _verdict(engine: Engine, args: list[str], kv: KVCacheUse, notes: list[str], warnings: list[str],
-             problems: list[str]) -> EngineVerdict:
+             problems: list[str], ignored: list[str]) -> EngineVerdict:
     verdict: Verdict = "fails" if problems else ("loads-with-warnings" if warnings else "loads")
-    v = EngineVerdict(engine, ENGINE_VERSIONS[engine], verdict, args, kv, notes, warnings, problems)
-    v.launch = [launch_command(engine, args)]
-    return v
+    return EngineVerdict(engine, ENGINE_VERSIONS[engine], verdict, args, kv, notes, warnings, problems,
+                         [launch_command(engine, args)], sorted(ignored))
 
 
 def launch_command(engine: Engine, args: list[str], model: str = "<MODEL>", tp: int = 8,

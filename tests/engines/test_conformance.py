@@ -1,0 +1,92 @@
+"""Engine conformance: SGLang's and vLLM's own loader code, executed on every quantkit output, agrees with
+the serving record quantkit writes (quantkit.json `serving`, `quantkit validate --engine`).
+
+For each case the engine is launched (config parsing, model construction, `load_weights`) with exactly the
+args the record gives, and must: raise nothing; put every checkpoint tensor into a parameter, except the
+ones the record says that engine skips by design; leave no parameter that expects data without it; give
+the routed experts the WNA16 MoE method and everything else an unquantized method; and read, in the
+attention, the KV scale the record promises (the calibrated value, or none).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from conftest import ALL_CASES, Case, engine_params
+from harness import run_engine
+
+from quantkit.engines import ENGINES
+
+EXPERTS = re.compile(r"\.mlp\.experts$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _record(out) -> dict:
+    return json.loads((out / "quantkit.json").read_text())["serving"]
+
+
+def _kv_values(out) -> dict[str, float]:
+    """KV scale tensors of a checkpoint (name -> value)."""
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    values = {}
+    for name, shard in index.items():
+        if name.endswith(("k_scale", "v_scale")):
+            with safe_open(out / shard, "pt") as fh:
+                values[name] = float(fh.get_tensor(name).item())
+    return values
+
+
+def _sections(report: dict) -> list[dict]:
+    return [report] + ([report["draft"]] if report.get("draft") else [])
+
+
+def check_engine_agrees(engine: str, case: Case, src, out) -> dict:
+    verdict = _record(out)[engine]
+    assert verdict["verdict"] != "fails", verdict["problems"]
+    report = run_engine(engine, out, verdict["args"])
+    for section in _sections(report):
+        assert section["error"] is None, section["error"]
+    # every tensor lands somewhere (the main model or the MTP draft), except those skipped by design
+    skipped = set(report["skipped_tensors"])
+    if report.get("draft"):
+        skipped &= set(report["draft"]["skipped_tensors"])
+    ignored = set(verdict["ignored_tensors"])
+    assert skipped - ignored == set(), sorted(skipped - ignored)[:8]
+    assert ignored <= skipped, f"record says {engine} skips {sorted(ignored - skipped)[:4]}, but it loads them"
+    for section in _sections(report):
+        assert section["unloaded_params"] == [], section["unloaded_params"][:8]
+        for module, method in section["methods"].items():
+            if EXPERTS.search(module):
+                assert "WNA16" in method, (module, method)
+            else:
+                assert method is None or "WNA16" not in method and "Int4" not in method, (module, method)
+    # the KV scale the attention reads is the one the record promises
+    kv_use = verdict["kv_cache"]
+    read = {m: v for m, v in report["kv"].items() if _LAYER.search(m)}
+    if kv_use["scale"] == "calibrated":
+        written = _kv_values(out)
+        assert read, "no attention module reports a KV scale"
+        for module, scales in read.items():
+            layer = int(_LAYER.search(module).group(1))
+            k = [v for n, v in written.items() if f"layers.{layer}.self_attn" in n and n.endswith("k_scale")]
+            if not k:  # the MTP layer carries no calibrated scale
+                continue
+            assert scales["k_scale"] == pytest.approx(k[0], rel=1e-6), (module, scales, k[0])
+        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
+    else:
+        assert "fp8" not in str(report["kv_cache_dtype"]).lower() or kv_use["scale"] == "per-tile", (
+            kv_use, report["kv_cache_dtype"])
+    return report
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("case", engine_params(ALL_CASES))
+def test_engine_loads_quantkit_output_as_the_record_says(engine, case, converted) -> None:
+    src, out = converted(case)
+    report = check_engine_agrees(engine, case, src, out)
+    if engine == "sglang" and case[0] == "glm4_moe":
+        assert report["notes"]["shared_experts_fusion"] is False
