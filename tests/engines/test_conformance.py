@@ -90,3 +90,30 @@ def test_engine_loads_quantkit_output_as_the_record_says(engine, case, converted
     report = check_engine_agrees(engine, case, src, out)
     if engine == "sglang" and case[0] == "glm4_moe":
         assert report["notes"]["shared_experts_fusion"] is False
+
+
+_CT017_PARSE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import compressed_tensors
+from compressed_tensors.quantization import QuantizationConfig
+assert compressed_tensors.__file__.startswith(sys.argv[1]), compressed_tensors.__file__
+for path in sys.argv[2:]:
+    qc = json.load(open(path))["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    print(compressed_tensors.__version__, parsed.format, bool(parsed.kv_cache_scheme))
+"""
+
+
+def test_quantization_config_parses_with_vllms_compressed_tensors_017(converted) -> None:
+    """vLLM 0.33.0 pins compressed-tensors 0.17.0; quantkit writes its config with 0.19.0."""
+    import subprocess
+    import sys
+
+    from harness import CT017
+
+    outs = [converted(c)[1] for c in [("deepseek_v3", "fp8", 32, "fp8"), ("glm4_moe", "bf16", 64, None)]]
+    res = subprocess.run([sys.executable, "-c", _CT017_PARSE, str(CT017), *(str(o / "config.json") for o in outs)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["0.17.0", "pack-quantized", "True", "0.17.0", "pack-quantized", "False"]
