@@ -1,0 +1,237 @@
+"""The SGLang runner executes SGLang 0.5.23's own loader on quantkit outputs and detects what it gets wrong.
+
+Each test converts a generated checkpoint with quantkit and runs `run_sglang.py` on it (a fresh process:
+SGLang's argparse, config parsing, scheme selection, model construction and `load_weights`). The known
+SGLang behaviours (docs/engines.md, /shared reference) must show up in the report exactly where they happen:
+GLM-4.x shared experts dropped under fusion, loaded with `--disable-shared-experts-fusion`; MLA
+`self_attn.k_scale` skipped while `kv_cache_scheme` makes the KV cache FP8 at scale 1.0; GLM-4.x GQA
+attention without a KV-scale parameter; group 64 with `--moe-runner-backend triton` raising.
+
+The synthetic configs get the keys every released DeepSeek-V3 / Kimi K2 / GLM-5 config.json carries and
+SGLang reads (`moe_layer_freq`, `topk_method`, ...; GLM-5's `indexer_rope_interleave`), taken from the
+bundled release configs: transformers' config classes drop them from a generated config.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import run_engine
+from safetensors.torch import load_file, save_file
+
+from quantkit.calibrate.tiny import build_tokenizer
+from quantkit.convert import convert
+from quantkit.recipe import load_recipe
+from quantkit.synth import make_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent.parent
+CORPUS = REPO / "calibration_data" / "default.jsonl"
+RELEASES = REPO / "quantkit" / "plan" / "configs"
+MTP_LAYER = 3  # the tiny models have 3 layers; the MTP layer follows them
+
+
+def _release_keys(release: str, keys: tuple[str, ...]) -> dict[str, object]:
+    config = json.loads((RELEASES / release / "config.json").read_text())
+    return {k: config.get("text_config", config)[k] for k in keys}
+
+
+MLA_KEYS = _release_keys("deepseek-v3", ("moe_layer_freq", "topk_method", "scoring_func", "ep_size"))
+RELEASE_KEYS = {"deepseek_v3": MLA_KEYS, "glm4_moe": {},
+                "glm_moe_dsa": {**MLA_KEYS, **_release_keys("glm-5.1", ("indexer_rope_interleave", "rope_interleave"))}}
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory):
+    """build(family, fmt, group, kv) -> a quantkit output directory (cached per module)."""
+    cache: dict[tuple, Path] = {}
+    tokenizer: list[Path] = []
+
+    def make(family: str, fmt: str = "fp8", group: int = 32, kv: bool = False) -> Path:
+        key = (family, fmt, group, kv)
+        if key in cache:
+            return cache[key]
+        root = tmp_path_factory.mktemp(f"sglang-{family}-{fmt}-g{group}")
+        overrides = dict(RELEASE_KEYS[family], **({"vocab_size": 512} if kv else {}))
+        src = make_checkpoint(root / "src", family, fmt, group_size=group, config_overrides=overrides or None)
+        fields: dict[str, object] = {"group_size": group}
+        if kv:
+            if not tokenizer:
+                tokenizer.append(tmp_path_factory.mktemp("tokenizer"))
+                build_tokenizer(tokenizer[0])
+            for f in tokenizer[0].iterdir():
+                if f.is_file() and f.name != "config.json":
+                    shutil.copy2(f, src / f.name)
+            fields.update({"kv_cache": "fp8", "calibration.dataset": str(CORPUS), "calibration.samples": 4,
+                           "calibration.seq_len": 32})
+        convert(src, root / "out", load_recipe(None, json.loads((src / "config.json").read_text()), fields))
+        cache[key] = root / "out"
+        return cache[key]
+
+    return make
+
+
+def _rewrite(src: Path, dst: Path, keep: Callable[[str], bool]) -> Path:
+    """Copy a checkpoint keeping only the tensors `keep(name)` accepts (index rewritten)."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(shard)
+        save_file({k: v for k, v in tensors.items() if keep(k)}, shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if keep(k)}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def _kv_scales(out: Path) -> dict[str, float]:
+    from safetensors import safe_open
+
+    values = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "pt") as fh:
+            values.update({n: fh.get_tensor(n).item() for n in fh.keys() if n.endswith(("k_scale", "v_scale"))})
+    return values
+
+
+def _landed_nowhere(report: dict) -> set[str]:
+    """Checkpoint tensors neither the target nor the NextN draft put into a parameter."""
+    skipped = set(report["skipped_tensors"])
+    return skipped & set(report["draft"]["skipped_tensors"]) if report.get("draft") else skipped
+
+
+def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(build) -> None:
+    out = build("glm4_moe", "fp8", 32, kv=True)
+    fused = run_engine("sglang", out, [])
+    assert fused["error"] is None, fused["error"]
+    assert fused["architecture"] == "Glm4MoeForCausalLM"
+    assert fused["notes"]["shared_experts_fusion"] is True  # glm4_moe.py refuses fusion only for w4afp8
+    assert fused["notes"]["shared_experts_fusion_disable_reason"] is None
+    shared = {n for n in fused["skipped_tensors"] if re.search(r"layers\.[12]\.mlp\.shared_experts\.", n)}
+    assert len(shared) == 2 * 3, sorted(fused["skipped_tensors"])[:12]  # gate/up/down of both MoE layers
+    # the fused slot (expert n_routed = 8) of the WNA16 MoE layer is never written
+    assert fused["notes"]["unwritten_slices"]["model.layers.1.mlp.experts.w13_weight_packed"] == [8]
+    assert "model.layers.1.mlp.experts.w13_weight_packed" in fused["unloaded_params"]
+    assert "model.layers.1.mlp.shared_experts.gate_up_proj" not in fused["methods"]  # no separate module
+
+    plain = run_engine("sglang", out, ["--disable-shared-experts-fusion"])
+    assert plain["error"] is None, plain["error"]
+    assert plain["notes"]["shared_experts_fusion"] is False
+    assert not [n for n in plain["skipped_tensors"] if "shared_experts" in n and f"layers.{MTP_LAYER}." not in n]
+    assert plain["unloaded_params"] == [] and plain["draft"]["unloaded_params"] == []
+    assert plain["methods"]["model.layers.1.mlp.shared_experts.gate_up_proj"] == "UnquantizedLinearMethod"
+    assert plain["methods"]["model.layers.1.mlp.experts"].endswith("CompressedTensorsWNA16MoE")
+    assert plain["draft"]["architecture"] == "Glm4MoeForCausalLMNextN"
+
+    # GQA: Glm4MoeAttention builds RadixAttention without quant_config, so no k_scale parameter exists;
+    # the calibrated scales are skipped while kv_cache_scheme still turns `auto` into FP8
+    scales = [n for n in _kv_scales(out) if n.endswith("self_attn.k_scale")]
+    assert scales and set(scales) <= _landed_nowhere(plain)
+    assert plain["kv_cache_dtype"] == "fp8_e4m3"
+    assert plain["notes"]["kv_cache_quant_algo"] == "FP8"
+    for module in ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"):
+        assert plain["methods"][module] is None
+        assert plain["kv"][module] == {"k_scale": None, "v_scale": None}
+
+
+def test_mla_kv_scales_load_only_under_the_k_proj_names(build, tmp_path: Path) -> None:
+    out = build("deepseek_v3", "fp8", 32, kv=True)
+    written = _kv_scales(out)
+    # transformers' MLA spelling only (what quantkit wrote before issue 9)
+    legacy = _rewrite(out, tmp_path / "legacy", lambda n: not n.endswith(("k_proj.k_scale", "v_proj.v_scale")))
+    report = run_engine("sglang", legacy, [])
+    assert report["error"] is None, report["error"]
+    assert {f"model.layers.{i}.self_attn.k_scale" for i in range(3)} <= set(report["skipped_tensors"])
+    assert report["kv_cache_dtype"] == "fp8_e4m3"  # kv_cache_scheme flips --kv-cache-dtype auto to FP8 ...
+    for i in range(3):  # ... while the attention reads the default scale
+        assert report["kv"][f"model.layers.{i}.self_attn.attn_mqa"] == {"k_scale": 1.0, "v_scale": 1.0}
+
+    # the names SGLang's deepseek loader remaps to attn_mqa: the calibrated value is what the attention reads
+    loaded = run_engine("sglang", out, ["--kv-cache-dtype", "fp8_e4m3"])
+    assert loaded["error"] is None, loaded["error"]
+    assert loaded["architecture"] == "DeepseekV3ForCausalLM"
+    assert loaded["notes"]["shared_experts_fusion"] is False  # deepseek_v2.py refuses it for W4A16
+    for i in range(3):
+        k = written[f"model.layers.{i}.self_attn.k_proj.k_scale"]
+        assert loaded["kv"][f"model.layers.{i}.self_attn.attn_mqa"]["k_scale"] == pytest.approx(k, rel=1e-6)
+        assert f"model.layers.{i}.self_attn.k_proj.k_scale" not in loaded["skipped_tensors"]
+    assert loaded["draft"]["architecture"] == "DeepseekV3ForCausalLMNextN"
+    assert loaded["unloaded_params"] == [] and loaded["draft"]["unloaded_params"] == []
+    # the MTP layer's own embedding and head: the draft uses the target's (SGLang skips them)
+    legacy_names = {n for n in written if n.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+    mtp = f"model.layers.{MTP_LAYER}"
+    assert _landed_nowhere(loaded) - legacy_names == {f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"}
+
+
+def test_group_64_triton_moe_backend_raises_marlin_loads(build) -> None:
+    out = build("glm4_moe", "bf16", 64)
+    triton = run_engine("sglang", out, ["--moe-runner-backend", "triton", "--disable-shared-experts-fusion"])
+    assert triton["error"] is not None and "group_size=32 or 128" in triton["error"], triton["error"]
+    assert triton["error"].startswith("ValueError")
+    marlin = run_engine("sglang", out, ["--moe-runner-backend", "marlin", "--disable-shared-experts-fusion"])
+    assert marlin["error"] is None, marlin["error"]
+    assert marlin["notes"]["moe_runner_backend"] == "marlin"
+    assert marlin["notes"]["group_size"] == 64
+    assert marlin["notes"]["triton_wna16_moe_supported_for_group"] is False
+    assert marlin["methods"]["model.layers.2.mlp.experts"].endswith("CompressedTensorsWNA16MoE")
+
+
+def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(build) -> None:
+    out = build("glm_moe_dsa", "fp8", 32)
+    report = run_engine("sglang", out, ["--moe-runner-backend", "marlin"])
+    assert report["error"] is None, report["error"]
+    assert report["architecture"] == "GlmMoeDsaForCausalLM"
+    # CUDA + interleaved indexer rope: wk and weights_proj fuse into one BF16 wk_weights_proj
+    assert "model.layers.0.self_attn.indexer.wk_weights_proj" in report["methods"]
+    assert "model.layers.0.self_attn.indexer.wk" not in report["methods"]
+    draft = report["draft"]
+    assert draft["error"] is None, draft["error"]
+    assert draft["architecture"] == "GlmMoeDsaForCausalLMNextN"
+    assert draft["methods"]["model.decoder.mlp.experts"].endswith("CompressedTensorsWNA16MoE")
+    assert _landed_nowhere(report) == set()
+    assert report["unloaded_params"] == [] and draft["unloaded_params"] == []
+    assert any(f"layers.{MTP_LAYER}.self_attn.indexer.wk." in n for n in report["skipped_tensors"])
+    assert not any(f"layers.{MTP_LAYER}.self_attn.indexer." in n for n in draft["skipped_tensors"])
+
+
+def _kimi_wrapper(src: Path, dst: Path) -> Path:
+    """Kimi K2.5 layout: `language_model.` prefix, a wrapper config with a (tiny) vision_config, no vision
+    weights (the runner checks the language model; SGLang still builds the MoonViT tower)."""
+    shutil.copytree(src, dst)
+    weight_map = {}
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors = {f"language_model.{k}": v for k, v in load_file(shard).items()}
+        save_file(tensors, shard, metadata={"format": "pt"})
+        weight_map.update({k: shard.name for k in tensors})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text = json.loads((dst / "config.json").read_text())
+    release = json.loads((RELEASES / "kimi-k2.6" / "config.json").read_text())
+    vision = dict(release["vision_config"], text_hidden_size=text["hidden_size"])
+    vision.update(hidden_size=32, vt_hidden_size=32, intermediate_size=64, vt_intermediate_size=64,
+                  num_attention_heads=2, vt_num_attention_heads=2, num_hidden_layers=1, vt_num_hidden_layers=1,
+                  mm_hidden_size=32, init_pos_emb_height=4, init_pos_emb_width=4)
+    wrapper = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+               "text_config": text, "vision_config": vision, "quantization_config": text.pop("quantization_config")}
+    (dst / "config.json").write_text(json.dumps(wrapper))
+    return dst
+
+
+def test_kimi_k25_language_model_loads_int4_passthrough(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "k2", "deepseek_v3", "int4", group_size=32, config_overrides=MLA_KEYS)
+    src = _kimi_wrapper(src, tmp_path / "kimi")
+    out = tmp_path / "out"
+    convert(src, out, load_recipe(None, json.loads((src / "config.json").read_text()), {"group_size": 32}))
+    report = run_engine("sglang", out, ["--moe-runner-backend", "marlin"])
+    assert report["error"] is None, report["error"]
+    assert report["architecture"] == "KimiK25ForConditionalGeneration"
+    assert report["notes"]["shared_experts_fusion"] is False  # kimi_k25.py refuses it for W4A16
+    experts = report["methods"]["language_model.model.layers.1.mlp.experts"]
+    assert experts.endswith("CompressedTensorsWNA16MoE")
+    assert all(n.startswith(f"language_model.model.layers.{MTP_LAYER}.") for n in report["skipped_tensors"])
+    assert report["unloaded_params"] and all(n.startswith(("vision_tower.", "mm_projector."))
+                                             for n in report["unloaded_params"])
+    # SGLang has no NextN draft for the Kimi wrapper: its MTP layer cannot be served
+    assert report["draft"]["error"].startswith("no NextN draft class for KimiK25ForConditionalGeneration")
