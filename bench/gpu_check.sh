@@ -36,15 +36,13 @@ elif [ -x "$repo/.venv/bin/python" ]; then py="$repo/.venv/bin/python"
 else py="$(command -v python3 || command -v python)"; fi
 [ -n "$py" ] || { echo "gpu_check.sh: no python found (set PYTHON)" >&2; exit 2; }
 
-# Packages quantkit needs that the GPU image lacks (docs/benchmarks.md, GPU check), pinned to the versions
-# of the local environment, as CPython 3.12 manylinux wheels.
+# Packages quantkit needs that the GPU image lacks (docs/benchmarks.md, GPU check), at the versions the
+# project's environment runs, as CPython 3.12 manylinux wheels (the image's python is 3.12).
 if [ "$fetch" = 1 ]; then
-  pins="$("$py" -m pip freeze | grep -iE '^(compressed[-_]tensors|loguru|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')"
-  [ -n "$pins" ] || { echo "gpu_check.sh: none of the packages to fetch is installed here" >&2; exit 2; }
-  # shellcheck disable=SC2086
   exec "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$repo/.whl" $pins
+    -d "$repo/.whl" compressed-tensors==0.19.0 loguru==0.7.3 pydantic==2.14.4 pydantic-core==2.50.5 \
+    annotated-types==0.8.0 typing-inspection==0.4.5
 fi
 
 out="${OUT:-$PWD/gpu-out}"
