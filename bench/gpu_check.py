@@ -180,7 +180,7 @@ def interpreting() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ tests
-def test_files(smoke: bool) -> list[Path]:
+def gpu_test_files(smoke: bool) -> list[Path]:
     """The kernel and serving test files, GPU-only ones first; one fast file in the smoke run."""
     tests = REPO / "tests"
     if smoke:
@@ -269,7 +269,7 @@ def section_tests(ctx: Context, rep: Report) -> None:
         rep.device = "cpu"
     conftest_missing = missing_modules(REPO / "tests" / "conftest.py")
     run, not_run = [], {}
-    for path in test_files(ctx.smoke):
+    for path in gpu_test_files(ctx.smoke):
         missing = sorted(missing_modules(path) | conftest_missing)
         rel = str(path.relative_to(REPO))
         if missing:
@@ -666,14 +666,15 @@ def run_section(name: str, ctx: Context) -> Report:
     return rep
 
 
-def stub(name: str, out: Path, smoke: bool, reason: str, log: Path | None) -> None:
+def stub(name: str, out: Path, smoke: bool, status: Literal["timeout", "error"], reason: str,
+         log: Path | None) -> None:
     """The driver killed or lost a section: keep its last saved figures, mark how it ended."""
     rep = Report(name, SECTIONS[name], smoke, out)
     if rep.path.exists():
         data = json.loads(rep.path.read_text())
         rep.figures, rep.notes, rep.device = data.get("figures", {}), data.get("notes", []), data.get("device", "")
         rep.skip_reason, rep.error = data.get("skip_reason"), data.get("error")
-    rep.status = "timeout" if "time" in reason else "error"
+    rep.status = status
     rep.notes.append(f"section {reason}")
     if log is not None and log.exists():
         rep.notes.append("log tail: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-8:])[:1500])
@@ -690,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=120.0)
     ap.add_argument("--name", choices=list(SECTIONS), help="stub: the section to mark")
+    ap.add_argument("--status", choices=["timeout", "error"], default="error", help="stub: how it ended")
     ap.add_argument("--reason", default="was stopped", help="stub: what happened")
     ap.add_argument("--log", type=Path, default=None, help="stub: the section's log")
     a = ap.parse_args(argv)
@@ -700,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         write_summary(a.out, a.smoke)
         return 0
     if a.section == "stub":
-        stub(a.name, a.out, a.smoke, a.reason, a.log)
+        stub(a.name, a.out, a.smoke, a.status, a.reason, a.log)
         return 0
     work = a.work or Path(a.out).parent / f".gpu-check-work-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)

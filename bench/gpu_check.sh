@@ -5,6 +5,7 @@
 #   bash bench/gpu_check.sh --smoke         # the same code paths at tiny sizes on the CPU (CI, tests)
 #   bash bench/gpu_check.sh --only kernels,rtn   # rerun some sections (the summary covers what is there)
 #   bash bench/gpu_check.sh --fetch-wheels  # HERE, with PyPI: wheels of the packages the GPU image lacks
+#   GPU_CHECK_BOXES="kernels=200" bash bench/gpu_check.sh --only kernels   # other time boxes (seconds)
 #
 # Sections run one after the other, each in its own process under `timeout` (one failure or hang never
 # kills the rest) and each writes <section>.json as it goes; summary.md comes last. Needs torch (and
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
     --only) only="${2:?--only needs a comma-separated list of sections}"; shift ;;
     --only=*) only="${1#--only=}" ;;
     --fetch-wheels) fetch=1 ;;
-    -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -56,9 +57,32 @@ cleanup() {
 }
 trap cleanup EXIT
 
+if [ "$smoke" = 1 ]; then
+  flag=(--smoke)
+  # CPU: the same sections at tiny sizes; the caps only stop a hang
+  declare -A budget=([integrity]=120 [gptq_layer]=120 [rtn]=120 [kernels]=180 [tests]=180 [gptq_tiny]=240)
+else
+  flag=()
+  # seconds per section on the H200; together 450 s, plus the summary
+  declare -A budget=([integrity]=30 [gptq_layer]=105 [rtn]=20 [kernels]=150 [tests]=75 [gptq_tiny]=70)
+fi
+# GPU-only sections first; the tests and the tiny model last, when their background preparation is done
+order=(integrity gptq_layer rtn kernels tests gptq_tiny)
+# GPU_CHECK_BOXES="kernels=200,tests=60" overrides time boxes (seconds), e.g. for a rerun of a few sections
+for kv in ${GPU_CHECK_BOXES:+${GPU_CHECK_BOXES//,/ }}; do
+  if [ -z "${budget[${kv%%=*}]:-}" ] || ! [[ "${kv#*=}" =~ ^[0-9]+$ ]]; then
+    echo "gpu_check.sh: bad GPU_CHECK_BOXES entry '$kv' (section=seconds)" >&2; exit 2
+  fi
+  budget[${kv%%=*}]=${kv#*=}
+done
+for name in ${only:+${only//,/ }}; do
+  [ -n "${budget[$name]:-}" ] || { echo "gpu_check.sh: unknown section '$name' (${order[*]})" >&2; exit 2; }
+done
+
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR="$work/torch_extensions"  # fresh: no stale build lock from an earlier run
+[ "$smoke" = 1 ] || export TRITON_INTERPRET=0  # real kernels on the GPU
 wheels="${GPU_CHECK_WHEELS:-$repo/.whl}"
 if compgen -G "$wheels/*.whl" >/dev/null; then
   if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" "$wheels"/*.whl \
@@ -69,16 +93,7 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
     echo "wheels in $wheels did not install (sections needing them will say so): $(tail -n 1 "$work/wheels.log")"
   fi
 fi
-
-if [ "$smoke" = 1 ]; then
-  flag=(--smoke)
-  # CPU: the same sections at tiny sizes; the caps only stop a hang
-  declare -A budget=([integrity]=120 [gptq_layer]=120 [rtn]=120 [kernels]=180 [tests]=180 [gptq_tiny]=240)
-else
-  flag=()
-  # seconds per section on the H200; together 450 s, plus the summary
-  declare -A budget=([integrity]=30 [gptq_layer]=105 [rtn]=20 [kernels]=150 [tests]=75 [gptq_tiny]=70)
-  # CPU work in the background, overlapping the GPU-only sections that come first
+if [ "$smoke" = 0 ]; then  # CPU work in the background, overlapping the GPU-only sections that come first
   timeout 300 "$py" -c "from quantkit.kernels import cuda_ext; cuda_ext.load_extension()" \
     >"$work/prep_cuda_ext.log" 2>&1 &
   bg_pids+=($!)
@@ -86,8 +101,6 @@ else
   tiny_pid=$!
   bg_pids+=("$tiny_pid")
 fi
-# GPU-only sections first; the tests and the tiny model last, when their background preparation is done
-order=(integrity gptq_layer rtn kernels tests gptq_tiny)
 
 run_section() {
   local name=$1 secs=${budget[$1]} t0=$SECONDS rc
@@ -97,11 +110,11 @@ run_section() {
   rc=$?
   tail -n 3 "$work/$name.log" | sed 's/^/   /'
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    "$py" "$repo/bench/gpu_check.py" stub --name "$name" --out "$out" --reason "hit its ${secs} s time box" \
-      --log "$work/$name.log" "${flag[@]}"
+    "$py" "$repo/bench/gpu_check.py" stub --name "$name" --out "$out" --status timeout \
+      --reason "hit its ${secs} s time box" --log "$work/$name.log" "${flag[@]}"
   elif [ "$rc" -ne 0 ] || [ ! -f "$out/$name.json" ]; then
-    "$py" "$repo/bench/gpu_check.py" stub --name "$name" --out "$out" --reason "exited with status $rc" \
-      --log "$work/$name.log" "${flag[@]}"
+    "$py" "$repo/bench/gpu_check.py" stub --name "$name" --out "$out" --status error \
+      --reason "exited with status $rc" --log "$work/$name.log" "${flag[@]}"
   fi
   echo "   ($((SECONDS - t0)) s)"
 }

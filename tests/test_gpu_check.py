@@ -102,16 +102,28 @@ def test_time_box_keeps_what_was_measured(tmp_path: Path) -> None:
     assert any("time box" in n for n in data["notes"])
 
 
+def test_driver_kills_a_section_at_its_box_and_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = _env(OUT=str(out), GPU_CHECK_BOXES="rtn=1", GPU_CHECK_WHEELS=str(tmp_path / "none"))
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--smoke", "--only", "rtn"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((out / "rtn.json").read_text())
+    assert data["status"] == "timeout" and "1 s time box" in (data["skip_reason"] or " ".join(data["notes"]))
+    assert sorted(p.name for p in out.iterdir()) == ["rtn.json", "summary.md"]
+    assert "| not run |" in (out / "summary.md").read_text()  # the sections left out say so
+
+
 def test_stub_marks_a_killed_section_and_keeps_its_rows(gc, tmp_path: Path) -> None:
     rep = gc.Report("kernels", gc.SECTIONS["kernels"], False, tmp_path, figures={"rows": [{"m": 1}]})
     rep.save()  # what a section leaves behind while it is still "running"
     log = tmp_path / "kernels.log"
     log.write_text("compiling...\nlast line before the kill\n")
-    gc.stub("kernels", tmp_path, False, "hit its 150 s time box", log)
+    gc.stub("kernels", tmp_path, False, "timeout", "hit its 150 s time box", log)
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert data["status"] == "timeout" and data["figures"]["rows"] == [{"m": 1}]
     assert any("last line before the kill" in n for n in data["notes"])
-    gc.stub("rtn", tmp_path, False, "exited with status 139", None)  # died before writing anything
+    gc.stub("rtn", tmp_path, False, "error", "exited with status 139", None)  # died before writing anything
     data = json.loads((tmp_path / "rtn.json").read_text())
     assert data["status"] == "error" and "139" in data["skip_reason"]
 
