@@ -1,28 +1,34 @@
 """Kernel benchmark: time, achieved bandwidth and % of the HBM roofline for W4A16 GEMM and MoE.
 
 On a GPU it runs every backend over M = 1..128 on the real Kimi K2.x and GLM-5.x expert and attention
-shapes and compares with BF16 `torch.matmul` (and SGLang's Triton int4 MoE when importable). On a CPU it
-runs a tiny smoke configuration of the torch path only: CPU timings say nothing about serving speed, so
-the report marks the GPU figures as pending.
+shapes and compares with BF16 `torch.matmul` (the grouped MoE with a BF16 grouped GEMM on the same routing,
+and SGLang's Triton int4 MoE when importable). On a CPU it runs a tiny smoke configuration of the torch
+path only: CPU timings say nothing about serving speed, so the report marks the GPU figures as pending.
+`run_sweep` is the configurable sweep (shapes sharded for tensor parallelism, FP8 KV-cache quantization
+throughput) that `bench/gpu_check.sh` runs.
 
 Bytes moved per call (the roofline numerator): packed weights `N*K/2`, scales `2*N*K/g`, activations
-`2*M*K`, output `2*M*N`; for MoE only the experts the routing touches count.
+`2*M*K`, output `2*M*N`; for MoE only the experts the routing touches count; FP8 KV quantization reads
+`2*rows*D` (bf16), writes `rows*D` and reads the int32 slot of each row.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import importlib.util
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels import dispatch, reference
 
-__all__ = ["MODELS", "BenchRow", "linear_shapes", "run_benchmark", "format_rows"]
+__all__ = ["MODELS", "BenchRow", "config_dims", "linear_shapes", "moe_shapes", "run_benchmark", "run_sweep",
+           "format_rows"]
 
 # Architecture numbers from the published configs (/work/shared/model-configs, see docs/kernels.md).
 MODELS: dict[str, dict[str, int]] = {
@@ -35,13 +41,15 @@ HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "H800": 3350.0, "B200": 8000.0, "A10
 GPU_M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 GPU_MOE_TOKENS = (1, 4, 8, 16, 32, 64, 128)
 BASELINE_MODULES = {"sglang": "sglang", "vllm-marlin": "vllm"}
+CONFIGS = Path(__file__).resolve().parents[1] / "plan" / "configs"
+MLA_KV_ROW = 576  # kv_lora_rank 512 + rope 64: one FP8 KV row per token and layer (Kimi K2.x, GLM-5.x)
 
 
 @dataclass
 class BenchRow:
     """One measured configuration; `None` where a figure does not apply or a baseline is missing."""
 
-    kind: str  # "linear" or "moe"
+    kind: str  # "linear", "moe" or "fp8_kv"
     model: str
     layer: str
     m: int
@@ -61,18 +69,39 @@ class BenchRow:
     notes: list[str] = field(default_factory=list)
 
 
-def linear_shapes(model: str) -> list[tuple[str, int, int]]:
-    """(layer, N, K) of the dense and expert projections a W4A16 kernel would serve for one model."""
-    c = MODELS[model]
+def config_dims(model: str, group_size: int = 32) -> dict[str, int]:
+    """The `MODELS` entry of `model` read from its bundled `quantkit/plan/configs/<model>/config.json`."""
+    cfg = json.loads((CONFIGS / model / "config.json").read_text(encoding="utf-8"))
+    cfg = cfg.get("text_config", cfg)
+    keys = {"hidden": "hidden_size", "moe_inter": "moe_intermediate_size", "experts": "n_routed_experts",
+            "top_k": "num_experts_per_tok", "heads": "num_attention_heads", "q_lora": "q_lora_rank",
+            "kv_lora": "kv_lora_rank", "nope": "qk_nope_head_dim", "rope": "qk_rope_head_dim", "v": "v_head_dim"}
+    return {**{mine: int(cfg[theirs]) for mine, theirs in keys.items()}, "group": group_size}
+
+
+def linear_shapes(model: str | dict[str, int], tp: int = 1) -> list[tuple[str, int, int]]:
+    """(layer, N, K) of the dense and expert projections a W4A16 kernel would serve on one of `tp` GPUs.
+
+    Tensor parallelism as SGLang shards MLA and TP-MoE: `q_b_proj` / `kv_b_proj` (and the experts'
+    gate/up) split their outputs, `o_proj` (and the experts' down) their inputs; `q_a_proj` and
+    `kv_a_proj_with_mqa` are replicated. `model` is a `MODELS` key or a dict of the same fields.
+    """
+    c = MODELS[model] if isinstance(model, str) else model
     return [
-        ("expert.gate_up_proj", 2 * c["moe_inter"], c["hidden"]),
-        ("expert.down_proj", c["hidden"], c["moe_inter"]),
+        ("expert.gate_up_proj", 2 * c["moe_inter"] // tp, c["hidden"]),
+        ("expert.down_proj", c["hidden"], c["moe_inter"] // tp),
         ("attn.q_a_proj", c["q_lora"], c["hidden"]),
         ("attn.kv_a_proj_with_mqa", c["kv_lora"] + c["rope"], c["hidden"]),
-        ("attn.q_b_proj", c["heads"] * (c["nope"] + c["rope"]), c["q_lora"]),
-        ("attn.kv_b_proj", c["heads"] * (c["nope"] + c["v"]), c["kv_lora"]),
-        ("attn.o_proj", c["hidden"], c["heads"] * c["v"]),
+        ("attn.q_b_proj", c["heads"] * (c["nope"] + c["rope"]) // tp, c["q_lora"]),
+        ("attn.kv_b_proj", c["heads"] * (c["nope"] + c["v"]) // tp, c["kv_lora"]),
+        ("attn.o_proj", c["hidden"], c["heads"] * c["v"] // tp),
     ]
+
+
+def moe_shapes(model: str | dict[str, int], tp: int = 1) -> list[tuple[str, int, int]]:
+    """(layer, N, K) of one routed expert's two grouped GEMMs on one of `tp` GPUs (TP-MoE sharding)."""
+    return [(layer.replace("expert.", "experts.").removesuffix("_proj"), n, k)
+            for layer, n, k in linear_shapes(model, tp)[:2]]
 
 
 def w4_bytes(m: int, n: int, k: int, group_size: int, n_matrices: int = 1) -> int:
@@ -152,6 +181,8 @@ def bench_moe(model: str, layer: str, n: int, k: int, tokens: int, experts: int,
     weights = torch.softmax(torch.randn(tokens, top_k, device=device), dim=-1)
     nbytes = w4_bytes(tokens * top_k, n, k, g, n_matrices=int(torch.unique(ids).numel()))
     baseline = sglang_moe_baseline(x, wp, ws, weights, ids, g)
+    bf16_fn, bf16_how = bf16_moe_fn(x, torch.randn(experts, n, k, device=device, dtype=torch.bfloat16), weights, ids)
+    bf16 = time_us(bf16_fn, device, reps)
     rows = []
     for backend in backends:
         try:
@@ -162,6 +193,8 @@ def bench_moe(model: str, layer: str, n: int, k: int, tokens: int, experts: int,
             rows.append(row)
             continue
         row = _row("moe", model, layer, tokens, n, k, g, backend, t, nbytes, peak)
+        row.bf16_us, row.speedup_vs_bf16 = bf16, bf16 / t
+        row.notes.append(f"bf16: {bf16_how}")
         if isinstance(baseline, str):
             row.notes.append(baseline)
         elif baseline is not None:
@@ -170,6 +203,80 @@ def bench_moe(model: str, layer: str, n: int, k: int, tokens: int, experts: int,
             row.speedup_vs_baseline = row.baseline_us / t
         rows.append(row)
     return rows
+
+
+def bf16_moe_fn(x: torch.Tensor, w: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], str]:
+    """The same routed expert GEMM with BF16 weights `w [E, N, K]`, and how it is computed.
+
+    Slots are sorted by expert and their rows gathered (timed, as the W4A16 kernel's alignment is), then
+    one `torch._grouped_mm` over the expert runs; if that op is missing or disagrees with a loop of one
+    `torch.matmul` per touched expert, that loop is the baseline. Routing weights multiply the rows.
+    """
+    e, top_k = w.shape[0], ids.shape[1]
+    flat = ids.reshape(-1).to(torch.int64)
+    route = weights.reshape(-1, 1).to(x.dtype)
+
+    def rows() -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort(flat, stable=True)
+        return x[order // top_k] * route[order], order
+
+    def grouped() -> torch.Tensor:
+        a, order = rows()
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+    def loop() -> torch.Tensor:
+        a, order = rows()
+        out = torch.empty(a.shape[0], w.shape[1], device=x.device, dtype=x.dtype)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=e).tolist()):
+            if count:
+                out[start : start + count] = a[start : start + count] @ w[expert].T
+                start += count
+        return out
+
+    reference_out = loop().float()
+    try:
+        got = grouped().float()
+    except Exception as exc:  # missing op or unsupported GPU/layout: the loop is the baseline
+        return loop, f"per-expert torch.matmul loop (torch._grouped_mm: {type(exc).__name__})"
+    err = float((got - reference_out).norm() / reference_out.norm().clamp_min(1e-12))
+    if not err < 1e-2:
+        return loop, f"per-expert torch.matmul loop (torch._grouped_mm off by {err:.1e})"
+    return grouped, "torch._grouped_mm"
+
+
+def bench_fp8_kv(rows: int, d: int, backends: list[str], device: torch.device, peak: float | None,
+                 reps: int) -> list[BenchRow]:
+    """FP8 KV-cache write: quantize `rows` bf16 rows of width `d` and scatter them into cache slots.
+
+    The torch reference is timed too; each backend's row carries it as its baseline.
+    """
+    x = torch.randn(rows, d, device=device, dtype=torch.bfloat16)
+    cache = torch.empty(2 * rows, d, device=device, dtype=torch.float8_e4m3fn)
+    slots = torch.randperm(2 * rows, device=device)[:rows].to(torch.int32)
+    scale = torch.tensor(0.05, device=device)
+    nbytes = 2 * rows * d + rows * d + 4 * rows
+
+    def run(backend: str) -> float:
+        return time_us(lambda: dispatch.fp8_kv_quant(x, scale, out=cache, slot_mapping=slots, backend=backend),
+                       device, reps)
+
+    torch_us = run("torch")
+    out = []
+    for backend in backends:
+        try:
+            t = torch_us if backend == "torch" else run(backend)
+        except Exception as exc:  # reported in the row, the sweep goes on
+            row = _row("fp8_kv", "mla", f"kv_cache.d{d}", rows, d, 1, 0, backend, float("nan"), nbytes, peak)
+            row.notes.append(f"failed: {type(exc).__name__}: {exc}"[:200])
+            out.append(row)
+            continue
+        row = _row("fp8_kv", "mla", f"kv_cache.d{d}", rows, d, 1, 0, backend, t, nbytes, peak)
+        row.baseline, row.baseline_us, row.speedup_vs_baseline = "torch-reference", torch_us, torch_us / t
+        out.append(row)
+    return out
 
 
 def sglang_moe_baseline(x: torch.Tensor, wp: torch.Tensor, ws: torch.Tensor, weights: torch.Tensor,
@@ -227,16 +334,8 @@ def run_benchmark(device: torch.device | None = None, smoke: bool | None = None,
             rows += bench_linear("smoke", "tiny", 256, 512, m, g, backends, device, peak, reps)
         rows += bench_moe("smoke", "tiny-experts", 128, 256, 4, 8, 2, g, backends[:2], device, peak, reps)
     else:
-        for model, cfg in MODELS.items():
-            g = group_size or cfg["group"]
-            for layer, n, k in linear_shapes(model):
-                for m in GPU_M_VALUES:
-                    rows += bench_linear(model, layer, n, k, m, g, ["triton", "cuda"], device, peak, reps)
-            for tokens in GPU_MOE_TOKENS:
-                rows += bench_moe(model, "experts.gate_up", 2 * cfg["moe_inter"], cfg["hidden"], tokens,
-                                  cfg["experts"], cfg["top_k"], g, ["triton"], device, peak, reps)
-                rows += bench_moe(model, "experts.down", cfg["hidden"], cfg["moe_inter"], tokens,
-                                  cfg["experts"], cfg["top_k"], g, ["triton"], device, peak, reps)
+        rows = run_sweep(MODELS, device, 1, GPU_M_VALUES, GPU_MOE_TOKENS, (), group_size=group_size, peak=peak,
+                         reps=reps)
     return {
         "date": dt.date.today().isoformat(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -249,6 +348,40 @@ def run_benchmark(device: torch.device | None = None, smoke: bool | None = None,
         "baselines": {name: importlib.util.find_spec(mod) is not None for name, mod in BASELINE_MODULES.items()},
         "notes": "Marlin is detected but not wired in (needs vLLM's repack); compare against SGLang's Triton MoE.",
     }
+
+
+def run_sweep(models: dict[str, dict[str, int]], device: torch.device, tp: int, m_values: tuple[int, ...],
+              moe_tokens: tuple[int, ...], fp8_rows: tuple[int, ...],
+              linear_backends: tuple[str, ...] = ("triton", "cuda"), moe_backends: tuple[str, ...] = ("triton",),
+              fp8_backends: tuple[str, ...] = ("triton",), group_size: int | None = None,
+              peak: float | None = None, reps: int = 5,
+              on_rows: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
+    """Dense shapes at every M, the grouped MoE at every batch, then FP8 KV rows; `on_rows` sees each batch.
+
+    The CUDA GEMV runs only where it applies (M <= its row limit); the other backends everywhere.
+    """
+    from quantkit.kernels.cuda_ext import MAX_ROWS
+
+    rows: list[BenchRow] = []
+
+    def add(new: list[BenchRow]) -> None:
+        rows.extend(new)
+        if on_rows is not None:
+            on_rows(new)
+
+    for model, cfg in models.items():
+        g = group_size or cfg["group"]
+        for layer, n, k in linear_shapes(cfg, tp):
+            for m in m_values:
+                backends = [b for b in linear_backends if b != "cuda" or m <= MAX_ROWS]
+                add(bench_linear(model, layer, n, k, m, g, backends, device, peak, reps))
+        for layer, n, k in moe_shapes(cfg, tp):
+            for tokens in moe_tokens:
+                add(bench_moe(model, layer, n, k, tokens, cfg["experts"], cfg["top_k"], g, list(moe_backends),
+                              device, peak, reps))
+    for count in fp8_rows:
+        add(bench_fp8_kv(count, MLA_KV_ROW, list(fp8_backends), device, peak, reps))
+    return rows
 
 
 def _smoke_accuracy(device: torch.device) -> float:
