@@ -324,7 +324,8 @@ def _load_one(model_config: Any, load_config: Any, provenance: Any,
         _process_kv_methods(model)
         section["kv"] = _kv(model)
     except Exception as exc:  # the engine raised: that is the finding
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        frames = traceback.extract_tb(exc.__traceback__)
+        frame = ([f for f in frames if str(SRC) in f.filename] or frames)[-1]  # the innermost SGLang frame
         where = f"{frame.filename.split('/sglang/')[-1]}:{frame.lineno} {frame.name}"
         section["error"] = f"{type(exc).__name__}: {exc} ({stage}; {where})"
         section["notes"]["traceback"] = traceback.format_exc()[-4000:]
@@ -332,7 +333,7 @@ def _load_one(model_config: Any, load_config: Any, provenance: Any,
 
 
 def _kv_cache_dtype(model: Any, model_config: Any, is_draft: bool) -> str:
-    """The KV cache dtype ModelRunner.configure_kv_cache_dtype resolves, then its scale-file step."""
+    """The KV cache dtype as ModelRunner.configure_kv_cache_dtype resolves it for these args."""
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
     from sglang.srt.runtime_context import get_model, get_spec
 
@@ -340,7 +341,10 @@ def _kv_cache_dtype(model: Any, model_config: Any, is_draft: bool) -> str:
         server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
         is_draft_worker=is_draft, is_dflash=False, speculative_draft_attention_backend=None,
         speculative_draft_kv_cache_dtype=get_spec().speculative_draft_kv_cache_dtype)
-    return resolved if resolved is not None else str(dtype).removeprefix("torch.")
+    if resolved is not None:
+        return resolved
+    requested = get_model().kv_cache_dtype  # ModelRunner.kv_cache_dtype_str; for "auto" the model dtype
+    return requested if requested != "auto" else str(dtype).removeprefix("torch.")
 
 
 def _run_target(server_args: Any, provenance: Any) -> tuple[dict[str, Any], Any]:
@@ -360,7 +364,7 @@ def _run_target(server_args: Any, provenance: Any) -> tuple[dict[str, Any], Any]
     if model is not None and section["error"] is None:
         section["kv_cache_dtype"] = _kv_cache_dtype(model, model_config, False)
         try:
-            load_kv_cache_scales(model=model, kv_cache_dtype=section["kv_cache_dtype"])
+            load_kv_cache_scales(model=model, kv_cache_dtype=get_model().kv_cache_dtype)  # as ModelRunner.load_model
         except RuntimeError as exc:
             section["error"] = f"RuntimeError: {exc} (load_kv_cache_scales)"
     return section, model

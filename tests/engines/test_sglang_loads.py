@@ -171,12 +171,23 @@ def test_group_64_triton_moe_backend_raises_marlin_loads(build) -> None:
     triton = run_engine("sglang", out, ["--moe-runner-backend", "triton", "--disable-shared-experts-fusion"])
     assert triton["error"] is not None and "group_size=32 or 128" in triton["error"], triton["error"]
     assert triton["error"].startswith("ValueError")
-    marlin = run_engine("sglang", out, ["--moe-runner-backend", "marlin", "--disable-shared-experts-fusion"])
-    assert marlin["error"] is None, marlin["error"]
-    assert marlin["notes"]["moe_runner_backend"] == "marlin"
-    assert marlin["notes"]["group_size"] == 64
-    assert marlin["notes"]["triton_wna16_moe_supported_for_group"] is False
-    assert marlin["methods"]["model.layers.2.mlp.experts"].endswith("CompressedTensorsWNA16MoE")
+    auto = run_engine("sglang", out, ["--disable-shared-experts-fusion"])  # Hopper + auto: the Marlin method
+    assert auto["error"] is None, auto["error"]
+    assert auto["notes"]["moe_runner_backend"] == "auto"
+    assert auto["notes"]["group_size"] == 64
+    assert auto["notes"]["triton_wna16_moe_supported_for_group"] is False
+    assert auto["methods"]["model.layers.2.mlp.experts"] == "CompressedTensorsFusedMoEMethod:CompressedTensorsWNA16MoE"
+
+
+@pytest.mark.slow
+def test_legacy_kv_scales_json_fails_the_load(build, tmp_path: Path) -> None:
+    """`--quantization-param-path` with FP8 KV: none of these model classes has `load_kv_cache_scales`."""
+    scales = tmp_path / "kv_cache_scales.json"
+    scales.write_text(json.dumps({"model_type": "deepseek_v3", "kv_cache": {"dtype": "float8_e4m3fn",
+                                  "scaling_factor": {"0": {str(i): 0.01 for i in range(3)}}}}))
+    out = build("deepseek_v3", "fp8", 32, kv=True)
+    report = run_engine("sglang", out, ["--kv-cache-dtype", "fp8_e4m3", "--quantization-param-path", str(scales)])
+    assert report["error"] is not None and "does not support loading scaling factors" in report["error"]
 
 
 def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(build) -> None:
