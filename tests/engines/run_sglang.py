@@ -21,7 +21,10 @@ Observation only, no engine logic replaced: a torch function mode records, per t
 checkpoint tensors its data came from (through views, casts, concatenation, dequantisation, copies), so
 the report says which checkpoint tensors reached no parameter and which parameters received nothing;
 each parameter's first-dimension slices are compared before/after loading to find slots left unwritten
-(e.g. a fused shared-expert slot).
+(e.g. a fused shared-expert slot). Not counted as unloaded: parameters SGLang marks `_skip_weight_check`
+and KV-scale parameters (optional: the KV method defaults them), and the WNA16 MoE `g_idx` / sort indices
+without group act-order (the engine replaces them). `kv` lists the attention modules that write the KV
+cache (MLA's prefill `attn_mha` never does; its scales are in `notes.kv_no_cache_attention`).
 
 Third-party modules installed for real in `.cache/engines/deps-sglang` (`pip install --no-deps --target`):
 msgspec==0.23.0, orjson==3.13.0 (SGLang's config records and their JSON fields), openai==2.8.0,
@@ -58,6 +61,9 @@ MODEL_MODULES: dict[str, tuple[str, ...]] = {
     "KimiK25ForConditionalGeneration": ("kimi_k25",),
 }
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale")
+# Attention modules that never write the KV cache, so their scales are not the cache's: MLA's prefill MHA
+# (every call in models/deepseek_common/attention_forward_methods/forward_mha.py passes save_kv_cache=False).
+NO_CACHE_ATTENTION = (".attn_mha",)
 
 
 # ---- process setup ---------------------------------------------------------------------------------
@@ -213,12 +219,13 @@ def _methods(model: Any) -> dict[str, str | None]:
     return out
 
 
-def _kv(model: Any) -> dict[str, dict[str, float | None]]:
+def _kv(model: Any, cache_writers: bool = True) -> dict[str, dict[str, float | None]]:
+    """The scales each RadixAttention reads (`k_scale_float`), for the cache-writing ones or the others."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
     out: dict[str, dict[str, float | None]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, RadixAttention):
+        if isinstance(module, RadixAttention) and name.endswith(NO_CACHE_ATTENTION) != cache_writers:
             out[name] = {"k_scale": module.k_scale_float, "v_scale": module.v_scale_float}
     return out
 
@@ -323,6 +330,7 @@ def _load_one(model_config: Any, load_config: Any, provenance: Any,
         stage = "kv scales"
         _process_kv_methods(model)
         section["kv"] = _kv(model)
+        section["notes"]["kv_no_cache_attention"] = _kv(model, cache_writers=False)
     except Exception as exc:  # the engine raised: that is the finding
         frames = traceback.extract_tb(exc.__traceback__)
         frame = ([f for f in frames if str(SRC) in f.filename] or frames)[-1]  # the innermost SGLang frame
