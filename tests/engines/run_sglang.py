@@ -45,6 +45,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.nn import Module
+from torch.overrides import TorchFunctionMode
+
+Section = dict[str, Any]  # one JSON report section
+SGLangObject = Any  # a ServerArgs / ModelConfig / LoadConfig / quant config: SGLang is importable only after the stubs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 ENGINES = REPO / ".cache" / "engines"
@@ -95,7 +102,7 @@ def _init_single_rank() -> None:
     initialize_model_parallel(backend="gloo")
 
 
-def _publish(ckpt: Path, args: list[str]) -> Any:
+def _publish(ckpt: Path, args: list[str]) -> SGLangObject:
     from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import prepare_server_args
@@ -107,9 +114,7 @@ def _publish(ckpt: Path, args: list[str]) -> Any:
 
 
 # ---- observation ----------------------------------------------------------------------------------
-def _flat_tensors(value: Any) -> Iterator[Any]:
-    import torch
-
+def _flat_tensors(value: object) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -120,7 +125,7 @@ def _flat_tensors(value: Any) -> Iterator[Any]:
             yield from _flat_tensors(item)
 
 
-def _storage_key(tensor: Any) -> int | None:
+def _storage_key(tensor: torch.Tensor) -> int | None:
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -128,70 +133,67 @@ def _storage_key(tensor: Any) -> int | None:
     return storage.data_ptr() if storage.nbytes() else None
 
 
-def _provenance_mode() -> Any:
-    """Torch function mode: storage -> names of the checkpoint tensors its data came from."""
-    from torch.overrides import TorchFunctionMode
+class Provenance(TorchFunctionMode):
+    """Torch function mode: tensor storage -> names of the checkpoint tensors its data came from."""
 
-    class Provenance(TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sources: dict[int, set[str]] = {}
-            self.numbers: dict[int, tuple[Any, set[str]]] = {}  # thread -> last number read from a tensor
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: dict[int, set[str]] = {}
+        self.numbers: dict[int, tuple[object, set[str]]] = {}  # thread -> last number read from a tensor
 
-        def tag(self, tensor: Any, name: str) -> None:
-            key = _storage_key(tensor)
-            if key is not None:
-                self.sources[key] = {name}
+    def tag(self, tensor: torch.Tensor, name: str) -> None:
+        key = _storage_key(tensor)
+        if key is not None:
+            self.sources[key] = {name}
 
-        def of(self, tensor: Any) -> set[str]:
-            return self.sources.get(_storage_key(tensor) or 0, set())
+    def of(self, tensor: torch.Tensor) -> set[str]:
+        return self.sources.get(_storage_key(tensor) or 0, set())
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            inputs = [_storage_key(t) for t in _flat_tensors((args, kwargs))]
-            came_from = set().union(*(self.sources.get(k, set()) for k in inputs if k is not None))
-            name = getattr(func, "__name__", "")
-            if name in ("item", "tolist"):  # a Python number that may be written back (`fill_(w.item())`)
-                self.numbers[threading.get_ident()] = (out, came_from)
-                return out
-            number, number_from = self.numbers.get(threading.get_ident(), (None, set()))
-            if number is not None and any(a is number or a == number for a in args[1:] if not hasattr(a, "shape")):
-                came_from = came_from | number_from
-            if name.endswith("_") and not name.endswith("__") or name == "__setitem__" or "out" in kwargs:
-                target = kwargs.get("out", args[0] if args else None)
-                key = _storage_key(target) if target is not None else None
-                if key is not None and came_from:
-                    self.sources.setdefault(key, set()).update(came_from)
-                return out
-            for tensor in _flat_tensors(out):
-                key = _storage_key(tensor)
-                if key is None:
-                    continue
-                if key in inputs:  # a view or an alias
-                    if came_from:
-                        self.sources.setdefault(key, set()).update(came_from)
-                elif came_from:
-                    self.sources[key] = set(came_from)
-                else:  # a fresh allocation (an address can be reused)
-                    self.sources.pop(key, None)
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [_storage_key(t) for t in _flat_tensors((args, kwargs))]
+        came_from = set().union(*(self.sources.get(k, set()) for k in inputs if k is not None))
+        name = getattr(func, "__name__", "")
+        if name in ("item", "tolist"):  # a Python number that may be written back (`fill_(w.item())`)
+            self.numbers[threading.get_ident()] = (out, came_from)
             return out
+        number, number_from = self.numbers.get(threading.get_ident(), (None, set()))
+        if number is not None and any(a is number or a == number for a in args[1:] if not hasattr(a, "shape")):
+            came_from = came_from | number_from
+        if name.endswith("_") and not name.endswith("__") or name == "__setitem__" or "out" in kwargs:
+            target = kwargs.get("out", args[0] if args else None)
+            key = _storage_key(target) if isinstance(target, torch.Tensor) else None
+            if key is not None and came_from:
+                self.sources.setdefault(key, set()).update(came_from)
+            return out
+        for tensor in _flat_tensors(out):
+            key = _storage_key(tensor)
+            if key is None:
+                continue
+            if key in inputs:  # a view or an alias
+                if came_from:
+                    self.sources.setdefault(key, set()).update(came_from)
+            elif came_from:
+                self.sources[key] = set(came_from)
+            else:  # a fresh allocation (an address can be reused)
+                self.sources.pop(key, None)
+        return out
 
-    return Provenance()
 
-
-def _tagged(weights: Iterable[tuple[str, Any]], provenance: Any, seen: list[str]) -> Iterator[tuple[str, Any]]:
+def _tagged(weights: Iterable[tuple[str, torch.Tensor]], provenance: Provenance,
+            seen: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         provenance.tag(tensor, name)
         seen.append(name)
         yield name, tensor
 
 
-def _snapshot(model: Any) -> dict[str, Any]:
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _unwritten_slices(before: Any, after: Any) -> list[int]:
+def _unwritten_slices(before: torch.Tensor, after: torch.Tensor) -> list[int]:
     """First-dimension slices whose every element is as it was before loading."""
     if before.dim() < 2 or before.shape != after.shape or before.dtype != after.dtype:
         return []
@@ -201,7 +203,7 @@ def _unwritten_slices(before: Any, after: Any) -> list[int]:
 
 
 # ---- one model ------------------------------------------------------------------------------------
-def _methods(model: Any) -> dict[str, str | None]:
+def _methods(model: Module) -> dict[str, str | None]:
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -219,7 +221,7 @@ def _methods(model: Any) -> dict[str, str | None]:
     return out
 
 
-def _kv(model: Any, cache_writers: bool = True) -> dict[str, dict[str, float | None]]:
+def _kv(model: Module, cache_writers: bool = True) -> dict[str, dict[str, float | None]]:
     """The scales each RadixAttention reads (`k_scale_float`), for the cache-writing ones or the others."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
@@ -230,7 +232,7 @@ def _kv(model: Any, cache_writers: bool = True) -> dict[str, dict[str, float | N
     return out
 
 
-def _process_kv_methods(model: Any) -> None:
+def _process_kv_methods(model: Module) -> None:
     """What DefaultModelLoader.postprocess_weights does, for the KV-cache methods only."""
     from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
 
@@ -240,11 +242,11 @@ def _process_kv_methods(model: Any) -> None:
             method.process_weights_after_loading(module)
 
 
-def _moe_notes(model: Any, quant_config: Any) -> dict[str, Any]:
+def _moe_notes(model: Module, quant_config: SGLangObject) -> dict[str, object]:
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
-    notes: dict[str, Any] = {"moe_runner_backend": str(get_moe_runner_backend().value)}
+    notes: dict[str, object] = {"moe_runner_backend": str(get_moe_runner_backend().value)}
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and quant_config is not None and hasattr(quant_config, "get_scheme_dict"):
             scheme = quant_config.get_scheme_dict(module, f"{name}.0.gate_proj")
@@ -256,7 +258,7 @@ def _moe_notes(model: Any, quant_config: Any) -> dict[str, Any]:
     return notes
 
 
-def _engine_computed(model: Any) -> set[str]:
+def _engine_computed(model: Module) -> set[str]:
     """Parameters the engine fills itself: the WNA16 MoE `g_idx` / sort indices without group act-order
     (compressed_tensors_wNa16_moe.py: process_weights_after_loading replaces them with empty tensors)."""
     names = set()
@@ -267,8 +269,8 @@ def _engine_computed(model: Any) -> set[str]:
     return names
 
 
-def _load_one(model_config: Any, load_config: Any, provenance: Any,
-              target: Any | None) -> tuple[dict[str, Any], Any]:
+def _load_one(model_config: SGLangObject, load_config: SGLangObject, provenance: Provenance,
+              target: Module | None) -> tuple[Section, Module | None]:
     """Build and load one model (target, or the draft when `target` is given); the report section."""
     import torch
     from sglang.srt.model_loader.loader import (
@@ -280,7 +282,7 @@ def _load_one(model_config: Any, load_config: Any, provenance: Any,
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.models.registry import ModelRegistry
 
-    section: dict[str, Any] = {"architecture": model_config.hf_config.architectures[0], "error": None,
+    section: Section = {"architecture": model_config.hf_config.architectures[0], "error": None,
                                "methods": {}, "skipped_tensors": [], "unloaded_params": [], "kv": {}, "notes": {}}
     stage = "construction"
     model = None
@@ -340,7 +342,7 @@ def _load_one(model_config: Any, load_config: Any, provenance: Any,
     return section, model
 
 
-def _kv_cache_dtype(model: Any, model_config: Any, is_draft: bool) -> str:
+def _kv_cache_dtype(model: Module, model_config: SGLangObject, is_draft: bool) -> str:
     """The KV cache dtype as ModelRunner.configure_kv_cache_dtype resolves it for these args."""
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
     from sglang.srt.runtime_context import get_model, get_spec
@@ -355,7 +357,7 @@ def _kv_cache_dtype(model: Any, model_config: Any, is_draft: bool) -> str:
     return requested if requested != "auto" else str(dtype).removeprefix("torch.")
 
 
-def _run_target(server_args: Any, provenance: Any) -> tuple[dict[str, Any], Any]:
+def _run_target(server_args: SGLangObject, provenance: Provenance) -> tuple[Section, Module | None]:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.load_model_utils import (
         build_load_config,
@@ -378,7 +380,7 @@ def _run_target(server_args: Any, provenance: Any) -> tuple[dict[str, Any], Any]
     return section, model
 
 
-def _run_draft(server_args: Any, provenance: Any, target: Any, target_architecture: str) -> dict[str, Any]:
+def _run_draft(server_args: SGLangObject, provenance: Provenance, target: Module, target_architecture: str) -> Section:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.moe.utils import speculative_moe_a2a_backend_context, speculative_moe_backend_context
     from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
@@ -403,13 +405,13 @@ def _run_draft(server_args: Any, provenance: Any, target: Any, target_architectu
     return section
 
 
-def run(ckpt: Path, args: list[str]) -> dict[str, Any]:
+def run(ckpt: Path, args: list[str]) -> Section:
     """Everything for one checkpoint and one set of server args; the JSON report."""
     started = time.perf_counter()
     config = json.loads((ckpt / "config.json").read_text())
     architecture = config["architectures"][0]
     _setup_imports(architecture)
-    report: dict[str, Any] = {"engine": "sglang", "version": _version(), "args": list(args),
+    report: Section = {"engine": "sglang", "version": _version(), "args": list(args),
                               "architecture": architecture}
     try:
         server_args = _publish(ckpt, args)
@@ -418,7 +420,7 @@ def run(ckpt: Path, args: list[str]) -> dict[str, Any]:
         report.update(error=f"{type(exc).__name__}: {exc} (server args)", methods={}, skipped_tensors=[],
                       unloaded_params=[], kv={}, kv_cache_dtype=None, notes={"traceback": traceback.format_exc()})
         return report
-    provenance = _provenance_mode()
+    provenance = Provenance()
     timings = {"setup": round(time.perf_counter() - started, 2)}
     section, target = _run_target(server_args, provenance)
     timings["target"] = round(time.perf_counter() - started - timings["setup"], 2)
@@ -434,7 +436,7 @@ def run(ckpt: Path, args: list[str]) -> dict[str, Any]:
     return report
 
 
-def _draft_section(ckpt: Path, args: list[str], provenance: Any, target: Any, architecture: str) -> dict[str, Any]:
+def _draft_section(ckpt: Path, args: list[str], provenance: Provenance, target: Module, architecture: str) -> Section:
     """The NextN draft as `--speculative-algorithm NEXTN` loads it (added to the args if absent)."""
     draft_args = list(args)
     if "--speculative-algorithm" not in draft_args:
