@@ -269,7 +269,15 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
         ignored = [n for n in facts.kv_scale_names if n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
     else:
         ignored = [] if q.sglang_loads_kv_scales else list(facts.kv_scale_names)
-    if facts.mtp_present:
+    if facts.mtp_present and a.record.mtp_own_embedding:
+        # deepseek_weight_loader.py (NextN): "Use shared head and embed weights from target model"
+        ignored += [f"{a.prefix}model.layers.{layer}.{t}.weight" for layer in range(a.num_layers, a.num_layers
+                    + a.num_mtp_layers) for t in ("embed_tokens", "shared_head.head")]
+        notes.append("the NextN draft shares the target's embed_tokens and lm_head; the MTP layer's own copies "
+                     "are not read")
+    if facts.mtp_present and a.wrapper is not None:
+        warnings.append(f"SGLang has no NextN draft for {a.wrapper.architecture}: the MTP layer cannot be served")
+    elif facts.mtp_present:
         notes.append("MTP layer present: add --speculative-algorithm NEXTN for speculative decoding")
     return _verdict("sglang", args, kv, notes, warnings, problems, ignored)
 

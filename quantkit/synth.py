@@ -22,7 +22,7 @@ from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
 from quantkit.quant.int4 import pack_int4, quantize_rtn
 
-__all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "FP8_ROLES"]
+__all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "wrap_multimodal", "FP8_ROLES"]
 
 FAMILIES = tuple(arch_families)
 # Roles a DeepSeek/GLM FP8 release stores as FP8 blocks (embeddings, lm_head, norms, routers, indexer: not).
@@ -147,6 +147,42 @@ def make_checkpoint(
     if extra_files:
         _write_extra_files(out, config)
     return out
+
+
+def wrap_multimodal(src: str | Path, dst: str | Path, wrapper: str = "kimi_k25", vision_tensor: bool = True) -> Path:
+    """Copy checkpoint `src` into `dst` as a multimodal release (e.g. Kimi K2.5/K2.6's `kimi_k25`): every tensor
+    under the wrapper's prefix, the text config under `text_config`, a tiny `vision_config` (the bundled
+    Kimi K2.6 one, scaled down) and, with `vision_tensor`, one vision-tower tensor that must pass through."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from quantkit.arch import WRAPPERS
+
+    record = WRAPPERS[wrapper]
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    weight_map: dict[str, str] = {}
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors = {record.prefix + k: v for k, v in load_file(shard).items()}
+        if not weight_map and vision_tensor:
+            tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 48).to(torch.bfloat16)
+        _write(shard, tensors)
+        weight_map.update({k: shard.name for k in tensors})
+    _dump(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
+    text = json.loads((dst / "config.json").read_text())
+    qc = text.pop("quantization_config", None)
+    release = json.loads((Path(__file__).parent / "plan" / "configs" / "kimi-k2.6" / "config.json").read_text())
+    vision = dict(release["vision_config"], text_hidden_size=text["hidden_size"], hidden_size=32, vt_hidden_size=32,
+                  intermediate_size=64, vt_intermediate_size=64, num_attention_heads=2, vt_num_attention_heads=2,
+                  num_hidden_layers=1, vt_num_hidden_layers=1, mm_hidden_size=32, init_pos_emb_height=4,
+                  init_pos_emb_width=4)
+    config: dict[str, Any] = {"model_type": record.model_type, "architectures": [record.architecture],
+                              "text_config": text, "vision_config": vision}
+    if qc is not None:
+        config["quantization_config"] = qc
+    _dump(dst / "config.json", config)
+    return dst
 
 
 def _shard_groups(specs: list[TensorSpec], shards: int) -> list[list[TensorSpec]]:

@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import json
-import shutil
 
-import torch
 from conftest import read_all
-from safetensors.torch import load_file, save_file
 
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe
+from quantkit.synth import wrap_multimodal
 from quantkit.validate import validate_checkpoint
 
 
 def wrap_as_kimi_k25(src, dst):
     """Prefix every tensor with `language_model.`, add a vision tower tensor, wrap the config."""
-    shutil.copytree(src, dst)
-    weight_map = {}
-    for shard in sorted(dst.glob("*.safetensors")):
-        tensors = {f"language_model.{k}": v for k, v in load_file(shard).items()}
-        if not weight_map:
-            tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 48).to(torch.bfloat16)
-        save_file(tensors, shard, metadata={"format": "pt"})
-        weight_map.update({k: shard.name for k in tensors})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    text = json.loads((dst / "config.json").read_text())
-    qc = text.pop("quantization_config")
-    wrapper = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
-               "text_config": text, "quantization_config": qc}
-    (dst / "config.json").write_text(json.dumps(wrapper))
-    return dst
+    return wrap_multimodal(src, dst, "kimi_k25")
 
 
 def test_kimi_wrapper_int4_passes_through_and_validates(ckpt_factory, tmp_path):

@@ -90,14 +90,20 @@ class Wrapper:
     kept_patterns: tuple[str, ...]  # ignore entries for the non-language modules
 
 
+# Keys every DeepSeek-V3 / Kimi K2 / GLM-5 release config.json carries and SGLang reads, but that
+# transformers' config classes do not keep in a generated config (values as released).
+_DEEPSEEK_RELEASE_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1)
+
+
 def _mla_synth(hidden: int, heads: int) -> dict[str, Any]:
     head = hidden // heads
     return dict(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
-                v_head_dim=head, num_key_value_heads=heads)
+                v_head_dim=head, num_key_value_heads=heads, **_DEEPSEEK_RELEASE_KEYS)
 
 
 def _dsa_synth(hidden: int, heads: int) -> dict[str, Any]:
-    return dict(_mla_synth(hidden, heads), index_n_heads=2, index_head_dim=hidden // 2, index_topk=16)
+    return dict(_mla_synth(hidden, heads), index_n_heads=2, index_head_dim=hidden // 2, index_topk=16,
+                indexer_rope_interleave=True, rope_interleave=True)
 
 
 def _gqa_synth(hidden: int, heads: int) -> dict[str, Any]:

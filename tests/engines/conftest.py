@@ -18,7 +18,7 @@ import pytest
 
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint
+from quantkit.synth import make_checkpoint, wrap_multimodal
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -57,12 +57,6 @@ def engine_params(cases: list[Case]) -> list[object]:
     return [pytest.param(c, id=case_id(c), marks=() if c in CORE_CASES else pytest.mark.slow) for c in cases]
 
 
-def _wrap_kimi(src: Path, dst: Path) -> Path:
-    from test_kimi_wrapper import wrap_as_kimi_k25
-
-    return wrap_as_kimi_k25(src, dst)
-
-
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE tokenizer (512 tokens) for calibrating synthetic checkpoints."""
@@ -84,10 +78,12 @@ def converted(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         family, fmt, group, kv = case
         root = tmp_path_factory.mktemp(case_id(case))
         base = "deepseek_v3" if family == "kimi_k25" else family
-        overrides = {"vocab_size": 512} if kv else None
-        src = make_checkpoint(root / "src", base, fmt, group_size=group, config_overrides=overrides)
+        overrides: dict[str, int] = {"vocab_size": 512} if kv else {}  # the trained tokenizer's vocabulary
+        size = "small" if group > 64 else "tiny"  # hidden and moe_intermediate must hold whole groups
+        src = make_checkpoint(root / "src", base, fmt, size=size, group_size=group,
+                              config_overrides=overrides or None, mtp=family != "kimi_k25")  # K2.x: no MTP
         if family == "kimi_k25":
-            src = _wrap_kimi(src, root / "src-kimi")
+            src = wrap_multimodal(src, root / "src-kimi", "kimi_k25", vision_tensor=False)
         if kv:
             tok = request.getfixturevalue("tokenizer_dir")
             for f in tok.iterdir():

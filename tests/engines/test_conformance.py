@@ -58,7 +58,9 @@ def check_engine_agrees(engine: str, case: Case, src, out) -> dict:
     assert skipped - ignored == set(), sorted(skipped - ignored)[:8]
     assert ignored <= skipped, f"record says {engine} skips {sorted(ignored - skipped)[:4]}, but it loads them"
     for section in _sections(report):
-        assert section["unloaded_params"] == [], section["unloaded_params"][:8]
+        # a multimodal wrapper's vision tower: the synthetic checkpoints carry no vision weights
+        unloaded = [p for p in section["unloaded_params"] if not p.startswith(("vision_tower.", "mm_projector."))]
+        assert unloaded == [], unloaded[:8]
         for module, method in section["methods"].items():
             if EXPERTS.search(module):
                 assert "WNA16" in method, (module, method)
