@@ -188,6 +188,13 @@ def test_push_then_pull_roundtrip_is_byte_identical(cli, hub, out, tmp_path):
     check = subprocess.run(["sha256sum", "-c", MANIFEST_NAME], cwd=tmp_path / "pulled", capture_output=True)
     assert check.returncode == 0
     assert ModelCard.load(tmp_path / "pulled" / "README.md").data.license == "mit"
+    _shards(tmp_path / "pulled")[0].unlink()  # a rerun fetches only what is missing
+    before = len(hub.requests)
+    code, stdout, err = cli("pull", "org/GLM-tiny-int4", str(tmp_path / "pulled"), "--quiet")
+    assert code == 0, err
+    fetched = [p for m, p in hub.requests[before:] if m == "GET" and p.startswith("/lfs-objects/")]
+    assert fetched == [f"/lfs-objects/{read_manifest(out)[_shards(out)[0].name]}"]
+    assert _files(tmp_path / "pulled") == local
 
     code, stdout, err = cli("push", str(out), "org/GLM-tiny-int4", "--quiet")  # unchanged: nothing re-sent
     outputs += [stdout, err]

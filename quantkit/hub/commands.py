@@ -22,6 +22,14 @@ def _workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def _quiet_client(quiet: bool) -> None:
+    """--quiet also silences huggingface_hub's own transfer bars."""
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
 def push_cmd(
     out: Annotated[Path, typer.Argument(help="converted checkpoint directory")],
     repo_id: Annotated[str, typer.Argument(help="hub repo id, owner/name")],
@@ -37,6 +45,7 @@ def push_cmd(
     from quantkit.commands import RichReporter, console, human_bytes
     from quantkit.hub.client import push
 
+    _quiet_client(quiet)
     with RichReporter(quiet=quiet) as reporter:
         result = push(out, repo_id, private=private, revision=revision, commit_message=commit_message,
                       create_pr=create_pr, base_model=base_model, keep_card=keep_card, workers=_workers(),
@@ -60,6 +69,7 @@ def pull_cmd(
     from quantkit.commands import RichReporter, console, human_bytes
     from quantkit.hub.client import pull
 
+    _quiet_client(quiet)
     with RichReporter(quiet=quiet) as reporter:
         result = pull(repo_id, directory, revision, workers=_workers(), progress=reporter)
     console.print(f"[green]pulled[/] {len(result.files)} files ({human_bytes(result.bytes)}) of {result.repo_id} "
