@@ -218,9 +218,12 @@ def _plan_table(directory: Path, config: dict[str, Any]) -> str:
     from quantkit.plan.report import sized_from_headers
 
     kv = "fp8" if config.get("quantization_config", {}).get("kv_cache_scheme") else "bf16"
-    headers, _ = read_shard_headers(directory)
-    tensors = sized_from_headers(headers, get_adapter(config))
-    plan = resolve_plan(config, "native", 32)
+    try:
+        headers, _ = read_shard_headers(directory)
+        tensors = sized_from_headers(headers, get_adapter(config))
+        plan = resolve_plan(config, "native", 32)
+    except QuantkitError as exc:  # the card never fails a conversion; it says why the table is missing
+        return f"## Serving plan per GPU\n\nNot available: {exc}"
     source = ModelSource(directory.name, config, directory)
     rows = []
     for key in PLAN_GPUS:

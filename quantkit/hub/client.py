@@ -203,11 +203,12 @@ def push(
         )
         remote = _remote_files(api, repo_id, info.oid)
     problems = []
+    digests = read_manifest(out)
     for rel in files:
         if rel not in remote:
             problems.append(f"{rel}: missing on the hub")
             continue
-        why = _remote_mismatch(out / rel, remote[rel], read_manifest(out).get(rel))
+        why = _remote_mismatch(out / rel, remote[rel], digests.get(rel))
         if why:
             problems.append(f"{rel}: {why}")
     if problems:
@@ -336,6 +337,13 @@ def resolve_source(spec: str | os.PathLike[str], config_only: bool = False, prog
     text = os.fspath(spec)
     if not is_hub_id(text):
         return Path(text)
+    try:
+        return _pull_source(text, config_only, progress)
+    except QuantkitError as exc:
+        raise QuantkitError(f"{text}: no such local directory, and as a hub repo id: {exc}") from None
+
+
+def _pull_source(text: str, config_only: bool, progress: Progress | None) -> Path:
     repo_id, _, revision = text.partition("@")
     dest = hub_cache_dir() / (repo_id.replace("/", "--") + (f"@{revision}" if revision else ""))
     if config_only:
