@@ -28,11 +28,13 @@ app.add_typer(simulate_app, name="simulate")
 def _register_all() -> None:
     from quantkit import commands as convert_commands
     from quantkit.calibrate import commands as calibrate_commands
+    from quantkit.hub import commands as hub_commands
     from quantkit.kernels import commands as kernel_commands
     from quantkit.plan import commands as plan_commands
     from quantkit.serving import commands as serving_commands
 
-    for module in (convert_commands, calibrate_commands, plan_commands, kernel_commands, serving_commands):
+    modules = (convert_commands, calibrate_commands, plan_commands, kernel_commands, serving_commands, hub_commands)
+    for module in modules:
         module.register(app, bench_app, simulate_app)
 
 

@@ -62,13 +62,14 @@ def _emit_json(value: Any) -> None:
 
 
 def inspect_cmd(
-    src: Path = typer.Argument(..., help="Source checkpoint directory."),
+    src: Path = typer.Argument(..., help="Source checkpoint directory or hub repo id (owner/name[@rev])."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Validate a source checkpoint and show what it holds and what `convert` would do with it."""
+    from quantkit.hub.client import resolve_source
     from quantkit.inspect import inspect_source
 
-    info = inspect_source(src)
+    info = inspect_source(resolve_source(src))
     if as_json:
         _emit_json(info)
         return
@@ -88,7 +89,8 @@ def inspect_cmd(
 
 
 def convert_cmd(
-    src: Path = typer.Argument(..., help="Source checkpoint directory (BF16, FP8-block or INT4 safetensors)."),
+    src: Path = typer.Argument(..., help="Source checkpoint (BF16, FP8-block or INT4 safetensors): a directory "
+                               "or a hub repo id owner/name[@rev], pulled first."),
     out: Path = typer.Argument(..., help="Output directory (written to OUT.partial, then renamed)."),
     recipe: Optional[str] = typer.Option(None, help="Preset name from recipes/ or a YAML path."),  # noqa: UP045
     method: Optional[str] = typer.Option(None, help="rtn | gptq"),  # noqa: UP045
@@ -107,8 +109,11 @@ def convert_cmd(
     """Convert a checkpoint to SGLang/vLLM-loadable INT4 (W4A16 group-wise, compressed-tensors)."""
     from quantkit.checkpoint.source import read_json
     from quantkit.convert import convert
+    from quantkit.hub.client import resolve_source
     from quantkit.recipe import load_recipe
 
+    with RichReporter(quiet=quiet or as_json) as reporter:
+        src = resolve_source(src, progress=reporter)
     config = read_json(src / "config.json")
     overrides = {"method": method, "group_size": group_size, "scale_search": scale_search, "kv_cache": kv_cache,
                  "calibration.dataset": calib, "calibration.samples": samples, "calibration.seq_len": seq_len,

@@ -19,7 +19,8 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
 
 
 def kv_scales(
-    src: Annotated[Path, typer.Argument(help="checkpoint to calibrate (BF16, FP8-block or INT4)")],
+    src: Annotated[Path, typer.Argument(help="checkpoint to calibrate (BF16, FP8-block or INT4): a directory or "
+                                        "a hub repo id owner/name[@rev] (then --out is required)")],
     out: Annotated[Path | None, typer.Option("--out", help="checkpoint to add the scales to (default: SRC; "
                                              "a new directory gets hard links to SRC's shards)")] = None,
     calib: Annotated[Path, typer.Option("--calib", help="JSONL / text / parquet")] = DEFAULT_CALIB,
@@ -35,8 +36,13 @@ def kv_scales(
     from quantkit.checkpoint.source import open_source
     from quantkit.engines import update_serving_record
     from quantkit.errors import QuantkitError
+    from quantkit.hub.client import is_hub_id, resolve_source
+    from quantkit.hub.refresh import refresh_outputs
     from quantkit.recipe import Recipe
 
+    if is_hub_id(str(src)) and out is None:
+        raise QuantkitError(f"{src}: a hub source needs --out (the pulled copy is a cache, not a target)")
+    src = resolve_source(src)
     source = open_source(src)
     target = out or src
     if source.adapter.kv_layout != "dsa":  # refuse before any calibration work
@@ -57,6 +63,7 @@ def kv_scales(
         written += kv.write_kv_scales(target, scales, source.adapter)
         written += update_serving_record(target)
     shutil.rmtree(work, ignore_errors=True)
+    refresh_outputs(target, written + ["config.json", "model.safetensors.index.json"])
     typer.echo(result.summary())
     typer.echo(f"wrote {', '.join(written)} in {target}")
 

@@ -3,11 +3,14 @@ tensor's bytes as soon as it is produced, so a worker never holds more than one 
 
 The converter knows every output tensor's name, dtype and shape before computing any of them (the
 plan), which is what makes this possible. The file is written under a temporary name, fsynced, and
-renamed into place: a crash never leaves a file that looks complete.
+renamed into place: a crash never leaves a file that looks complete. With `record_digest`, the sha256 of
+the bytes is computed as they are written and left in a sidecar for the content manifest
+(`quantkit.checkpoint.manifest`), so no shard is read again to hash it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from quantkit.checkpoint.manifest import write_digest
 
 __all__ = ["PlannedTensor", "StreamingShardWriter", "TORCH_TO_ST", "fsync_dir", "split_parts"]
 
@@ -57,8 +62,11 @@ def split_parts(tensors: list[PlannedTensor], max_bytes: int) -> list[list[Plann
 class StreamingShardWriter:
     """Write one safetensors file whose tensors arrive one by one in the planned order."""
 
-    def __init__(self, path: Path, planned: Iterable[PlannedTensor], metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, planned: Iterable[PlannedTensor], metadata: dict[str, str] | None = None,
+                 record_digest: bool = False):
+        """`record_digest`: leave the sha256 of the written bytes in `<path>.sha256` (for the manifest)."""
         self.path = path
+        self.record_digest = record_digest
         self.planned = list(planned)
         self._tmp = path.with_name(path.name + ".tmp")
         self._next = 0
@@ -71,8 +79,13 @@ class StreamingShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
         self._fh = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish()/abort()
-        self._fh.write(len(raw).to_bytes(8, "little"))
-        self._fh.write(raw)
+        self._sha256 = hashlib.sha256()
+        self._emit(len(raw).to_bytes(8, "little"))
+        self._emit(raw)
+
+    def _emit(self, data: bytes | memoryview) -> None:
+        self._fh.write(data)
+        self._sha256.update(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor; name, dtype and shape must match the plan."""
@@ -83,7 +96,7 @@ class StreamingShardWriter:
                 f"{expected.name} {expected.dtype} {expected.shape}"
             )
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._fh.write(memoryview(data.numpy()))
+        self._emit(memoryview(data.numpy()))
         self._next += 1
 
     def finish(self) -> Path:
@@ -95,6 +108,8 @@ class StreamingShardWriter:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
+        if self.record_digest:  # before the rename: a finished file always has its digest
+            write_digest(self.path, self._sha256.hexdigest())
         os.replace(self._tmp, self.path)
         return self.path
 

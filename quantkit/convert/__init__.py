@@ -43,6 +43,8 @@ from quantkit.convert.publish import (
 from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_name
 from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_roles
 from quantkit.errors import QuantkitError
+from quantkit.hub import read_origin
+from quantkit.hub.card import write_card
 from quantkit.recipe import Recipe
 
 __all__ = ["ConvertResult", "Reporter", "check_recipe_loadable", "convert"]
@@ -117,6 +119,7 @@ def convert(
         journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
     weight_map = finalize_shards(partial, journal)
     output_bytes = _write_metadata(source, recipe, plans, partial, weight_map, calibration)
+    write_card(partial)  # README.md from quantkit.json; the source's README kept as README.source.md
     publish(partial, out_path, force)
     actions: dict[str, int] = {}
     for plan in (p for ps in plans.values() for p in ps):
@@ -231,7 +234,8 @@ def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], a
 
     tensors = scale_tensors(kv_scales, adapter)
     name = part_name(_KV_SHARD_INDEX, 0)
-    writer = StreamingShardWriter(partial / "parts" / name, [PlannedTensor(n, torch.float32, (1,)) for n in tensors])
+    planned = [PlannedTensor(n, torch.float32, (1,)) for n in tensors]
+    writer = StreamingShardWriter(partial / "parts" / name, planned, record_digest=True)
     for n, t in tensors.items():
         writer.write(n, t)
     writer.finish()
@@ -269,7 +273,8 @@ def _write_metadata(
         "format": "quantkit/1",
         "tool_versions": tool_versions(),
         "source": {"name": source.root.name, "fingerprint": source_fingerprint(source), "format": source.source_format,
-                   "bytes": source.source_bytes, "shards": len(source.shard_files), "warnings": source.warnings},
+                   "bytes": source.source_bytes, "shards": len(source.shard_files), "warnings": source.warnings,
+                   "hub": read_origin(source.root)},
         "recipe": recipe.model_dump(mode="json"),
         "output": {"bytes": sum(shard_bytes.values()), "shards": shard_bytes, "files_copied": copied,
                    "files_skipped": skipped, "reports": reports},

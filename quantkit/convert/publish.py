@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint.manifest import move_digest, write_manifest
 from quantkit.checkpoint.safetensors_header import read_header
 from quantkit.checkpoint.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckpoint
 from quantkit.checkpoint.writer import fsync_dir
@@ -55,6 +56,7 @@ def finalize_shards(partial: Path, journal: list[dict[str, Any]]) -> dict[str, s
     for i, part in enumerate(parts, start=1):
         final = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
         os.replace(partial / "parts" / part, partial / final)
+        move_digest(partial / "parts" / part, partial / final)  # write-time sha256 for the manifest
         for name in read_header(partial / final).tensors:
             weight_map[name] = final
     return dict(sorted(weight_map.items()))
@@ -127,6 +129,7 @@ def publish(partial: Path, out: Path, force: bool) -> None:
     """Atomically move the finished directory into place (replacing OUT only with --force)."""
     for leftover in ("parts", "journal", "calibration"):  # calibration: per-layer GPTQ work files
         shutil.rmtree(partial / leftover, ignore_errors=True)
+    write_manifest(partial)  # SHA256SUMS of the final contents; shards from their write-time digests
     fsync_dir(partial)
     if out.exists():
         if not force:  # checked up front too; the directory may have appeared meanwhile

@@ -56,7 +56,7 @@ def convert_shard(
     produced = _produce(source, job, calibration, on_bytes)
     written = []
     for k, part in enumerate(parts):
-        writer = StreamingShardWriter(job.work_dir / "parts" / part_name(job.index, k), part)
+        writer = StreamingShardWriter(job.work_dir / "parts" / part_name(job.index, k), part, record_digest=True)
         try:
             for _ in part:
                 writer.write(*next(produced))  # the writer checks name, dtype and shape against the plan

@@ -48,7 +48,7 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
     @app.command("plan")
     def plan_cmd(
         model: str = typer.Argument(
-            ..., help="Bundled name (glm-5.2, kimi-k2.6, ...), config.json or checkpoint."
+            ..., help="Bundled name (glm-5.2, kimi-k2.6, ...), config.json, checkpoint or hub repo id."
         ),
         gpu: str = typer.Option("h200", "--gpu", help="GPU catalog key: h100 h200 b200 h20 a100 l40s."),
         tp: int = typer.Option(8, "--tp", help="Tensor-parallel size (GPUs)."),
@@ -90,7 +90,9 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
             mem_fraction, multimodal_factor, reserve_gib, page_size, headroom_tokens, mtp, shared_indexer
         )
         dep = Deployment(get_gpu(gpu, gpu_file), tp, ep, dp_attention, context, batch, a)
-        source = resolve_model(model)
+        from quantkit.hub.client import is_hub_id, resolve_source
+
+        source = resolve_model(str(resolve_source(model, config_only=True)) if is_hub_id(model) else model)
         if compare:
             rows = plan_compare(source, dep, group_size)
             rec = recommend(rows, source.config, group_size)
