@@ -137,7 +137,9 @@ def test_card_parses_and_carries_the_required_fields(converted, source):
         assert section in text
     assert "| group size | 32 |" in text and "| method | rtn |" in text
     assert record["source"]["fingerprint"] in text and "NVIDIA H200" in text
-    assert NOT_RECORDED in text
+    # convert writes the engines' serving record: the card shows both verdicts and the launch lines
+    assert NOT_RECORDED not in text and "### sglang 0.5.23" in text and "### vllm 0.33.0" in text
+    assert record["serving"]["sglang"]["launch"][0].replace("<MODEL>", converted.name) in text
     assert "The original card text." in text and "Permission is hereby granted" in text
     assert (converted / "README.source.md").read_bytes() == (source / "README.md").read_bytes()
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
+from quantkit.engines import ENGINES
 from quantkit.errors import QuantkitError
 
 __all__ = ["CARD_MARK", "CARD_NAME", "SOURCE_README", "is_generated_card", "render_card", "write_card"]
@@ -30,8 +31,6 @@ PLAN_GPUS = ("h100", "h200", "b200", "h20")
 PLAN_TP = 8
 PLAN_CONTEXT = 32768
 _LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE")
-Engine = Literal["sglang", "vllm"]
-ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
 
 
 def is_generated_card(path: Path) -> bool:
@@ -65,7 +64,7 @@ def render_card(directory: Path, repo_id: str | None = None, base_model: str | N
     hub = record.get("source", {}).get("hub") or {}
     base = base_model or hub.get("repo_id") or _hub_id(source_meta.get("base_model"))
     name = repo_id or f"{record.get('source', {}).get('name', directory.name)}-W4A16"
-    model_ref = repo_id or directory.name
+    model_ref = repo_id or directory.name.removesuffix(".partial")  # written inside OUT.partial before publish
     front = _front_matter(record, config, source_meta, base)
     sections = [
         f"# {name}\n\n{_intro(record, base)}\n\n{CARD_MARK}",
@@ -314,7 +313,8 @@ def _quality(record: dict[str, Any]) -> str:
 def _serving(serving: dict[str, Any] | None, model_ref: str) -> str:
     if not serving:
         return f"## Serving\n\n{NOT_RECORDED.capitalize()}."
-    parts = ["## Serving", "Engine verdicts and launch commands recorded by `quantkit validate --engine`:"]
+    parts = ["## Serving", "Engine verdicts and launch commands (the `serving` record of quantkit.json, from "
+             "quantkit's engine rules, checked by executing SGLang's and vLLM's loader code):"]
     for engine in [e for e in ENGINES if e in serving] + sorted(set(serving) - set(ENGINES)):
         rec = serving[engine]
         kv = rec.get("kv_cache") or {}
@@ -327,6 +327,8 @@ def _serving(serving: dict[str, Any] | None, model_ref: str) -> str:
         if launch:
             label = "Launch (prefill / decode pair):" if len(launch) == 2 else "Launch:"
             lines.append(label + "\n\n```bash\n" + "\n".join(launch) + "\n```")
+        lines += [f"- **fails:** {p}" for p in rec.get("problems") or []]
+        lines += [f"- **warning:** {w}" for w in rec.get("warnings") or []]
         lines += [f"- {note}" for note in rec.get("notes") or []]
         parts.append("\n\n".join(lines))
     return "\n\n".join(parts)
