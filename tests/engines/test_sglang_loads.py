@@ -2,14 +2,13 @@
 
 Each test converts a generated checkpoint with quantkit and runs `run_sglang.py` on it (a fresh process:
 SGLang's argparse, config parsing, scheme selection, model construction and `load_weights`). The known
-SGLang behaviours (docs/engines.md, /shared reference) must show up in the report exactly where they happen:
+SGLang behaviours (docs/engines.md) must show up in the report exactly where they happen:
 GLM-4.x shared experts dropped under fusion, loaded with `--disable-shared-experts-fusion`; MLA
 `self_attn.k_scale` skipped while `kv_cache_scheme` makes the KV cache FP8 at scale 1.0; GLM-4.x GQA
 attention without a KV-scale parameter; group 64 with `--moe-runner-backend triton` raising.
 
-The synthetic configs get the keys every released DeepSeek-V3 / Kimi K2 / GLM-5 config.json carries and
-SGLang reads (`moe_layer_freq`, `topk_method`, ...; GLM-5's `indexer_rope_interleave`), taken from the
-bundled release configs: transformers' config classes drop them from a generated config.
+Checkpoints come from the session's `converted` fixture (tests/engines/conftest.py), shared with the
+conformance tests.
 """
 
 from __future__ import annotations
@@ -24,55 +23,11 @@ import pytest
 from harness import run_engine
 from safetensors.torch import load_file, save_file
 
-from quantkit.calibrate.tiny import build_tokenizer
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint
+from quantkit.synth import make_checkpoint, wrap_multimodal
 
-REPO = Path(__file__).resolve().parent.parent.parent
-CORPUS = REPO / "calibration_data" / "default.jsonl"
-RELEASES = REPO / "quantkit" / "plan" / "configs"
 MTP_LAYER = 3  # the tiny models have 3 layers; the MTP layer follows them
-
-
-def _release_keys(release: str, keys: tuple[str, ...]) -> dict[str, object]:
-    config = json.loads((RELEASES / release / "config.json").read_text())
-    return {k: config.get("text_config", config)[k] for k in keys}
-
-
-MLA_KEYS = _release_keys("deepseek-v3", ("moe_layer_freq", "topk_method", "scoring_func", "ep_size"))
-RELEASE_KEYS = {"deepseek_v3": MLA_KEYS, "glm4_moe": {},
-                "glm_moe_dsa": {**MLA_KEYS, **_release_keys("glm-5.1", ("indexer_rope_interleave", "rope_interleave"))}}
-
-
-@pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory):
-    """build(family, fmt, group, kv) -> a quantkit output directory (cached per module)."""
-    cache: dict[tuple, Path] = {}
-    tokenizer: list[Path] = []
-
-    def make(family: str, fmt: str = "fp8", group: int = 32, kv: bool = False) -> Path:
-        key = (family, fmt, group, kv)
-        if key in cache:
-            return cache[key]
-        root = tmp_path_factory.mktemp(f"sglang-{family}-{fmt}-g{group}")
-        overrides = dict(RELEASE_KEYS[family], **({"vocab_size": 512} if kv else {}))
-        src = make_checkpoint(root / "src", family, fmt, group_size=group, config_overrides=overrides or None)
-        fields: dict[str, object] = {"group_size": group}
-        if kv:
-            if not tokenizer:
-                tokenizer.append(tmp_path_factory.mktemp("tokenizer"))
-                build_tokenizer(tokenizer[0])
-            for f in tokenizer[0].iterdir():
-                if f.is_file() and f.name != "config.json":
-                    shutil.copy2(f, src / f.name)
-            fields.update({"kv_cache": "fp8", "calibration.dataset": str(CORPUS), "calibration.samples": 4,
-                           "calibration.seq_len": 32})
-        convert(src, root / "out", load_recipe(None, json.loads((src / "config.json").read_text()), fields))
-        cache[key] = root / "out"
-        return cache[key]
-
-    return make
 
 
 def _rewrite(src: Path, dst: Path, keep: Callable[[str], bool]) -> Path:
@@ -103,8 +58,8 @@ def _landed_nowhere(report: dict) -> set[str]:
     return skipped & set(report["draft"]["skipped_tensors"]) if report.get("draft") else skipped
 
 
-def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(build) -> None:
-    out = build("glm4_moe", "fp8", 32, kv=True)
+def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(converted) -> None:
+    out = converted(("glm4_moe", "fp8", 32, "fp8"))[1]
     fused = run_engine("sglang", out, [])
     assert fused["error"] is None, fused["error"]
     assert fused["architecture"] == "Glm4MoeForCausalLM"
@@ -137,8 +92,8 @@ def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(build) -
         assert plain["kv"][module] == {"k_scale": None, "v_scale": None}
 
 
-def test_mla_kv_scales_load_only_under_the_k_proj_names(build, tmp_path: Path) -> None:
-    out = build("deepseek_v3", "fp8", 32, kv=True)
+def test_mla_kv_scales_load_only_under_the_k_proj_names(converted, tmp_path: Path) -> None:
+    out = converted(("deepseek_v3", "fp8", 32, "fp8"))[1]
     written = _kv_scales(out)
     # transformers' MLA spelling only (what quantkit wrote before issue 9)
     legacy = _rewrite(out, tmp_path / "legacy", lambda n: not n.endswith(("k_proj.k_scale", "v_proj.v_scale")))
@@ -166,8 +121,8 @@ def test_mla_kv_scales_load_only_under_the_k_proj_names(build, tmp_path: Path) -
     assert _landed_nowhere(loaded) - legacy_names == {f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"}
 
 
-def test_group_64_triton_moe_backend_raises_marlin_loads(build) -> None:
-    out = build("glm4_moe", "bf16", 64)
+def test_group_64_triton_moe_backend_raises_marlin_loads(converted) -> None:
+    out = converted(("glm4_moe", "bf16", 64, None))[1]
     triton = run_engine("sglang", out, ["--moe-runner-backend", "triton", "--disable-shared-experts-fusion"])
     assert triton["error"] is not None and "group_size=32 or 128" in triton["error"], triton["error"]
     assert triton["error"].startswith("ValueError")
@@ -180,18 +135,18 @@ def test_group_64_triton_moe_backend_raises_marlin_loads(build) -> None:
 
 
 @pytest.mark.slow
-def test_legacy_kv_scales_json_fails_the_load(build, tmp_path: Path) -> None:
+def test_legacy_kv_scales_json_fails_the_load(converted, tmp_path: Path) -> None:
     """`--quantization-param-path` with FP8 KV: none of these model classes has `load_kv_cache_scales`."""
     scales = tmp_path / "kv_cache_scales.json"
     scales.write_text(json.dumps({"model_type": "deepseek_v3", "kv_cache": {"dtype": "float8_e4m3fn",
                                   "scaling_factor": {"0": {str(i): 0.01 for i in range(3)}}}}))
-    out = build("deepseek_v3", "fp8", 32, kv=True)
+    out = converted(("deepseek_v3", "fp8", 32, "fp8"))[1]
     report = run_engine("sglang", out, ["--kv-cache-dtype", "fp8_e4m3", "--quantization-param-path", str(scales)])
     assert report["error"] is not None and "does not support loading scaling factors" in report["error"]
 
 
-def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(build) -> None:
-    out = build("glm_moe_dsa", "fp8", 32)
+def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(converted) -> None:
+    out = converted(("glm_moe_dsa", "fp8", 32, None))[1]
     report = run_engine("sglang", out, ["--moe-runner-backend", "marlin"])
     assert report["error"] is None, report["error"]
     assert report["architecture"] == "GlmMoeDsaForCausalLM"
@@ -208,31 +163,10 @@ def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(build) -> None:
     assert not any(f"layers.{MTP_LAYER}.self_attn.indexer." in n for n in draft["skipped_tensors"])
 
 
-def _kimi_wrapper(src: Path, dst: Path) -> Path:
-    """Kimi K2.5 layout: `language_model.` prefix, a wrapper config with a (tiny) vision_config, no vision
-    weights (the runner checks the language model; SGLang still builds the MoonViT tower)."""
-    shutil.copytree(src, dst)
-    weight_map = {}
-    for shard in sorted(dst.glob("*.safetensors")):
-        tensors = {f"language_model.{k}": v for k, v in load_file(shard).items()}
-        save_file(tensors, shard, metadata={"format": "pt"})
-        weight_map.update({k: shard.name for k in tensors})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    text = json.loads((dst / "config.json").read_text())
-    release = json.loads((RELEASES / "kimi-k2.6" / "config.json").read_text())
-    vision = dict(release["vision_config"], text_hidden_size=text["hidden_size"])
-    vision.update(hidden_size=32, vt_hidden_size=32, intermediate_size=64, vt_intermediate_size=64,
-                  num_attention_heads=2, vt_num_attention_heads=2, num_hidden_layers=1, vt_num_hidden_layers=1,
-                  mm_hidden_size=32, init_pos_emb_height=4, init_pos_emb_width=4)
-    wrapper = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
-               "text_config": text, "vision_config": vision, "quantization_config": text.pop("quantization_config")}
-    (dst / "config.json").write_text(json.dumps(wrapper))
-    return dst
-
-
 def test_kimi_k25_language_model_loads_int4_passthrough(tmp_path: Path) -> None:
-    src = make_checkpoint(tmp_path / "k2", "deepseek_v3", "int4", group_size=32, config_overrides=MLA_KEYS)
-    src = _kimi_wrapper(src, tmp_path / "kimi")
+    """Kimi K2.5 layout (`language_model.` prefix, tiny vision_config, no vision weights), with an MTP layer."""
+    src = make_checkpoint(tmp_path / "k2", "deepseek_v3", "int4", group_size=32)
+    src = wrap_multimodal(src, tmp_path / "kimi", "kimi_k25", vision_tensor=False)
     out = tmp_path / "out"
     convert(src, out, load_recipe(None, json.loads((src / "config.json").read_text()), {"group_size": 32}))
     report = run_engine("sglang", out, ["--moe-runner-backend", "marlin"])
