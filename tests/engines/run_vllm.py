@@ -15,8 +15,11 @@ CompressedTensorsConfig.from_config, CacheConfig, SpeculativeConfig for MTP), gl
 `DefaultModelLoader.load_weights` (the safetensors iterator, the model's `load_weights`,
 `AutoWeightsLoader`, the parameters' weight loaders, `maybe_remap_kv_scale_name`), then the KV-cache
 methods' `process_weights_after_loading` (what `_k_scale` / `_v_scale` the attention reads). The MTP
-draft is built like the spec-decode proposer does (`_create_draft_vllm_config`, draft ModelConfig).
-Kernel post-processing (Marlin repacking) is not run: it needs the CUDA kernels.
+draft (added as `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'` when the config
+has MTP layers, unless --no-draft) is built from vLLM's own SpeculativeConfig draft ModelConfig, with the
+three `replace` steps of `SpecDecodeBaseProposer._create_draft_vllm_config` restated (that module imports
+the GPU model runner), and loaded by the same DefaultModelLoader.
+Not run: kernel post-processing (Marlin repacking: CUDA kernels), MLA's deferred post-load (W_UK/W_UV).
 Only imports are stubbed (tests/engines/stubs.py); vLLM installs nothing extra (no deps-vllm).
 
 Because vLLM does not report missing weights for quantized models, every parameter's weight loader is
@@ -124,13 +127,17 @@ def _build_config(ckpt: Path, engine_args: list[str]) -> Any:
 
 
 def _init_distributed(config: Any, tmp: Path) -> None:
+    import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.v1.worker.workspace import init_workspace_manager
 
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{tmp / 'dist-init'}")
         ensure_model_parallel_initialized(1, 1)
+    # as gpu_worker._init_workspace_and_model_runner does before the model is built (sparse MLA uses it)
+    init_workspace_manager(torch.device("cpu"), 2 if config.parallel_config.enable_dbo else 1)
 
 
 def _quant_method_name(module: Any) -> str | None:

@@ -16,7 +16,8 @@ vLLM 0.33.0 (`install_vllm_stubs`):
   with the NVML/torch.cuda device queries answered as one H200 (SM 9.0, 141 GiB), so scheme and
   backend selection follow the Hopper path; its `device_type` is "cpu" so tensors are created on the CPU.
 - CUDA runtime objects: `torch.cuda.Stream` / `torch.cuda.Event` are inert objects (vLLM creates an
-  auxiliary stream for the MoE shared-expert overlap at construction).
+  auxiliary stream for the MoE shared-expert overlap at construction); `torch.accelerator.empty_cache`
+  is a no-op (the sparse-MLA workspace calls it when it grows).
 - Model-class inspection runs in-process instead of in a child interpreter
   (`registry._run_in_subprocess`: vLLM forks only to keep CUDA uninitialised; the function is the same).
 - Serving-side third-party packages the project venv lacks, imported at module level by modules on
@@ -208,6 +209,7 @@ def _stub_cuda_runtime() -> None:
 
     torch.cuda.Stream = _CudaRuntimeObject  # type: ignore[misc,assignment]
     torch.cuda.Event = _CudaRuntimeObject  # type: ignore[misc,assignment]
+    torch.accelerator.empty_cache = lambda: None  # raises without an accelerator; frees nothing on the CPU
 
 
 def _h200_platform(capability: tuple[int, int], total_memory: int) -> object:

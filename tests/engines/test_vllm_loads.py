@@ -7,9 +7,9 @@ DeepseekV32MTP draft), nothing the model expects is left without data; MLA drops
 (the attention reads 1.0) while GLM-4.x GQA loads them; a checkpoint quantizing a module vLLM builds
 unquantized (lm_head, embeddings, router, indexer wk/weights_proj, MTP eh_proj) fails to load.
 
-The synthetic checkpoints use the real MLA head dimensions (qk_nope 128, rope 64, v 128: vLLM's Hopper
-MLA prefill backends accept no others) and `topk_method: noaux_tc` (as the released configs have; vLLM
-builds `e_score_correction_bias` only then).
+The synthetic checkpoints use the real MLA dimensions (qk_nope 128, rope 64, v 128: vLLM's Hopper MLA
+prefill backends accept no others; kv_lora_rank 512: its sparse-MLA FP8 backend needs head size 576)
+and `topk_method: noaux_tc` (as the released configs have; vLLM builds `e_score_correction_bias` only then).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from quantkit.synth import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not SOURCES["vllm"].is_dir(), reason="vLLM wheel not unpacked: run `make engines`")
 
-REAL_MLA = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+REAL_MLA = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kv_lora_rank": 512}
 RELEASE_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 EXPERTS = re.compile(r"\.mlp\.experts(\.routed_experts)?$")
 RUNNER = Path(__file__).resolve().parent / "run_vllm.py"
@@ -136,6 +136,7 @@ CORE_RUNS: list[tuple[str, tuple[str, ...]]] = [
     ("glm4_moe:kv", ("--no-draft",)),
     ("glm_moe_dsa:q-lm_head", ()),
     ("glm_moe_dsa:no-indexer-1", ("--no-draft",)),
+    ("glm_moe_dsa", ("--kv-cache-dtype", "fp8", "--no-draft")),
 ]
 
 
@@ -294,6 +295,15 @@ def test_mla_kv_scales_are_dropped_and_attention_reads_one(vllm, checkpoints, kv
     assert len(mla) == 3 and all(v == {"k_scale": 1.0, "v_scale": 1.0} for v in mla.values()), mla
     assert {report["methods"][m] for m in mla} == {"none"}
     assert report["kv_cache_dtype"] == kv_dtype
+
+
+def test_dsa_fp8_kv_resolves_to_deepseek_sparse_layout_at_scale_one(vllm) -> None:
+    """GLM-5 (DSA): quantkit writes no KV scales; `--kv-cache-dtype fp8` becomes FlashMLA-sparse's own
+    `fp8_ds_mla` layout (per-tile scales in the cache), and the attention's tensor scale stays 1.0."""
+    report = vllm("glm_moe_dsa", "--kv-cache-dtype", "fp8", "--no-draft")
+    assert report["error"] is None, report["error"]
+    assert report["kv_cache_dtype"] == "fp8_ds_mla"
+    assert report["kv"] and all(v == {"k_scale": 1.0, "v_scale": 1.0} for v in report["kv"].values())
 
 
 def test_gqa_kv_scales_load_into_self_attn_attn(vllm, checkpoints) -> None:
