@@ -26,6 +26,8 @@ CORPUS = REPO / "calibration_data" / "default.jsonl"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+# vLLM's Hopper MLA prefill backends accept only the real head dims, its sparse-MLA FP8 layout needs 576
+REAL_MLA = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kv_lora_rank": 512}
 Case = tuple[str, str, int, str | None]  # family, source format, group size, kv (None | "fp8")
 
 CORE_CASES: list[Case] = [
@@ -80,6 +82,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         base = "deepseek_v3" if family == "kimi_k25" else family
         overrides: dict[str, int] = {"vocab_size": 512} if kv else {}  # the trained tokenizer's vocabulary
         size = "small" if group > 64 else "tiny"  # hidden and moe_intermediate must hold whole groups
+        if base != "glm4_moe":
+            overrides.update(REAL_MLA)
         src = make_checkpoint(root / "src", base, fmt, size=size, group_size=group,
                               config_overrides=overrides or None, mtp=family != "kimi_k25")  # K2.x: no MTP
         if family == "kimi_k25":

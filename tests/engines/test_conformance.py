@@ -19,7 +19,7 @@ from harness import run_engine
 
 from quantkit.engines import ENGINES
 
-EXPERTS = re.compile(r"\.mlp\.experts$")
+EXPERTS = re.compile(r"\.mlp\.experts(\.routed_experts)?$")  # vLLM names the fused MoE routed_experts
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
