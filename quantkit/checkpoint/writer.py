@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from quantkit.durable import fsync_dir
+
 __all__ = ["PlannedTensor", "StreamingShardWriter", "TORCH_TO_ST", "fsync_dir", "split_parts"]
 
 TORCH_TO_ST = {
@@ -99,14 +101,9 @@ class StreamingShardWriter:
         return self.path
 
     def abort(self) -> None:
-        self._fh.close()
+        """Drop the unfinished file (also when closing it fails, as it does on a full disk)."""
+        try:
+            self._fh.close()
+        except OSError:
+            pass
         self._tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
