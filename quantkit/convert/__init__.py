@@ -111,8 +111,13 @@ def convert(
     needed = planned_bytes(source, plans, recipe)
     preflight(partial, needed, _resumable(partial, identity))
     lock = RunLock(partial)
+    created = not partial.exists()
     try:
         with lock.held():
+            if out_path.exists() and not force:  # published by another run while we waited for the lock
+                if created:
+                    shutil.rmtree(partial, ignore_errors=True)
+                _check_out(out_path, identity, force)
             if lock.previous_owner:
                 report.note(f"taking over {partial.name} from a run that stopped ({lock.previous_owner})")
             resumed, calibration = _convert_locked(source, plans, recipe, identity, partial, out_path, workers, force,
