@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 THREADS ?= 2
 
-.PHONY: install sysdeps test lint demo bench clean
+.PHONY: install sysdeps test test-all lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ sysdeps:
 	  else echo "chromium missing and not root: the HTML rendering test will be skipped"; fi; }
 
 test: install sysdeps
+	$(BIN)/ruff check quantkit tests bench
+	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow" tests
+
+# Everything, the slow fault-injection runs too (kill -9 at every mutation, GPTQ, N workers).
+test-all: install sysdeps
 	$(BIN)/ruff check quantkit tests bench
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider tests
 
