@@ -104,11 +104,10 @@ def convert_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Convert a checkpoint to SGLang/vLLM-loadable INT4 (W4A16 group-wise, compressed-tensors)."""
-    from quantkit.checkpoint.source import read_json
     from quantkit.convert import convert
     from quantkit.recipe import load_recipe
 
-    config = read_json(src / "config.json")
+    config = _source_config(src)
     overrides = {"method": method, "group_size": group_size, "scale_search": scale_search, "kv_cache": kv_cache,
                  "calibration.dataset": calib, "calibration.samples": samples, "calibration.seq_len": seq_len,
                  "max_shard_size": max_shard_size}
@@ -128,6 +127,20 @@ def convert_cmd(
             console.print(result.calibration_summary)
         for w in result.warnings:
             console.print(f"[yellow]warning:[/] {w}")
+
+
+def _source_config(src: Path) -> dict[str, Any]:
+    """SRC/config.json of an architecture quantkit knows; errors name the file by its full path."""
+    from quantkit.arch import get_adapter
+    from quantkit.checkpoint.source import read_json
+
+    path = src / "config.json"
+    config = read_json(path)
+    try:
+        get_adapter(config)
+    except QuantkitError as exc:
+        raise QuantkitError(f"{path}: {str(exc).removeprefix('config.json: ')}") from None
+    return config
 
 
 def validate_cmd(

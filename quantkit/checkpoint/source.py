@@ -408,7 +408,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
         if param == "weight_packed":
             parts = {f"{module}.{p}": where[f"{module}.{p}"][0] for p in _INT4_PARTS if f"{module}.{p}" in where}
             if len(parts) < 3:
-                raise QuantkitError(f"{f}: tensor {name} has no matching weight_scale / weight_shape")
+                raise QuantkitError(f"{headers[f].path}: tensor {name} has no matching weight_scale / weight_shape")
             shape = _int4_shape(headers, parts, module)
             absorbed.update(parts)
             logical[f"{module}.weight"] = LogicalTensor(
@@ -417,7 +417,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
         elif param == "weight" and entry.dtype in _FP8_DTYPES:
             scale = f"{module}.weight_scale_inv"
             if scale not in where:
-                raise QuantkitError(f"{f}: FP8 tensor {name} has no {scale}")
+                raise QuantkitError(f"{headers[f].path}: FP8 tensor {name} has no {scale}")
             parts = {name: f, scale: where[scale][0]}
             absorbed.add(scale)
             logical[name] = LogicalTensor(name, "fp8_block", entry.shape, entry.dtype, f, parts, _bytes(where, parts))
@@ -425,7 +425,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
         if name in absorbed or name in logical:
             continue
         if name.endswith("_scale_inv"):
-            raise QuantkitError(f"{f}: {name} has no FP8 weight it belongs to")
+            raise QuantkitError(f"{headers[f].path}: {name} has no FP8 weight it belongs to")
         logical[name] = LogicalTensor(name, "plain", entry.shape, entry.dtype, f, {name: f}, entry.nbytes)
     return dict(sorted(logical.items(), key=lambda kv: _natural_key(kv[0])))
 
