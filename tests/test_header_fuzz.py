@@ -77,7 +77,7 @@ def pristine(ckpt_factory) -> Path:
     return ckpt_factory("glm_moe_dsa", "fp8")
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mutation=MUTATIONS, shard_index=st.integers(0, 2))
 def test_any_header_mutation_is_a_clean_error_or_a_clean_run(pristine, tmp_path_factory, mutation, shard_index):
