@@ -132,10 +132,10 @@ def convert_cmd(
 def _source_config(src: Path) -> dict[str, Any]:
     """SRC/config.json of an architecture quantkit knows; errors name the file by its full path."""
     from quantkit.arch import get_adapter
-    from quantkit.checkpoint.source import read_json
+    from quantkit.checkpoint.source import read_config
 
     path = src / "config.json"
-    config = read_json(path)
+    config = read_config(src)
     try:
         get_adapter(config)
     except QuantkitError as exc:

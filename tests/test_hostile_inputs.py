@@ -247,6 +247,11 @@ def config_string_for_number(src: Path) -> str:
     return "num_hidden_layers must be a whole number"
 
 
+def config_without_layers(src: Path) -> str:
+    edit_json(src / "config.json", lambda c: c.pop("num_hidden_layers"))
+    return "num_hidden_layers must be a positive whole number, got None"
+
+
 def config_billion_layers(src: Path) -> str:
     edit_json(src / "config.json", lambda c: c.__setitem__("num_hidden_layers", 10**9))
     return "imply at least 2000000"
@@ -354,6 +359,7 @@ CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "INT4 scales contradict the config's group size": ("int4", int4_scale_contradicts_group),
     "config.json not JSON": ("fp8", config_not_json),
     "config.json string for a number": ("fp8", config_string_for_number),
+    "config.json without num_hidden_layers": ("fp8", config_without_layers),
     "config.json 10^9 layers": ("fp8", config_billion_layers),
     "config.json 10^9 experts": ("fp8", config_billion_experts),
     "config.json of 20 MB": ("fp8", config_huge_file),

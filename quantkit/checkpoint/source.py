@@ -27,8 +27,8 @@ from quantkit.checkpoint.safetensors_header import ST_TO_TORCH, HeaderEntry, Sha
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import dequantize_group, unpack_int4
 
-__all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint", "TensorFormat", "link_root",
-           "open_source", "read_json"]
+__all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint", "TensorFormat", "check_config",
+           "link_root", "open_source", "read_config", "read_json"]
 
 # The one format vocabulary: how a logical tensor is stored, and (its most specific one) a whole checkpoint.
 # plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed: compressed-tensors.
@@ -210,15 +210,23 @@ def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
     root = Path(path)
     if not root.is_dir():
         raise QuantkitError(f"{root}: not a directory")
-    config = read_json(root / "config.json", _MAX_CONFIG_BYTES)
+    config = read_config(root)
     files = _weight_files(root)
     headers = {f: read_header(root / f) for f in files}
     _check_index(root, files, headers)
-    _check_config(root / "config.json", config, sum(len(h.tensors) for h in headers.values()))
+    _check_config_size(root / "config.json", config, sum(len(h.tensors) for h in headers.values()))
     source = SourceCheckpoint(root, config, headers)
     _check_formats(source)
     _check_inventory(source)
     return source
+
+
+def read_config(root: Path) -> dict[str, Any]:
+    """ROOT/config.json, size-bounded and checked (`check_config`) before anything uses its values."""
+    path = root / "config.json"
+    config = read_json(path, _MAX_CONFIG_BYTES)
+    check_config(path, config)
+    return config
 
 
 def read_json(path: Path, max_bytes: int = _MAX_INDEX_BYTES) -> dict[str, Any]:
@@ -308,12 +316,9 @@ def _check_index(root: Path, files: list[str], headers: dict[str, ShardHeader]) 
             raise QuantkitError(f"{root / f}: holds tensor {name}, which the index does not list (stale index?)")
 
 
-def _check_config(path: Path, config: dict[str, Any], n_tensors: int) -> None:
-    """Counts and sizes in config.json are whole numbers in range, and imply no more tensors than exist.
-
-    Checked before any adapter uses them, so `num_hidden_layers: 1e9` fails at once instead of
-    allocating an inventory of billions of entries.
-    """
+def check_config(path: Path, config: dict[str, Any]) -> None:
+    """Counts and sizes in config.json are whole numbers in range and `quantization_config` is well formed,
+    checked before any adapter reads them."""
     text = text_config(config)
     qc = config.get("quantization_config")
     if qc is not None and not (isinstance(qc, dict) and isinstance(qc.get("config_groups", {}), dict)
@@ -333,6 +338,13 @@ def _check_config(path: Path, config: dict[str, Any], n_tensors: int) -> None:
     layers = text.get("num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:
         raise QuantkitError(f"{path}: num_hidden_layers must be a positive whole number, got {layers!r}")
+
+
+def _check_config_size(path: Path, config: dict[str, Any], n_tensors: int) -> None:
+    """The config may not imply more tensors than the shards hold: `num_hidden_layers: 1e9` fails at once
+    instead of building an inventory of billions of entries."""
+    text = text_config(config)
+    layers = text["num_hidden_layers"]
     implied = 2 * layers + 3 * (text.get("n_routed_experts") or 0)  # two norms per layer, one MoE layer at least
     if implied > n_tensors:
         raise QuantkitError(f"{path}: num_hidden_layers {layers} and n_routed_experts "

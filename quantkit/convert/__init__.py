@@ -16,6 +16,7 @@ lock is taken over. A free-space preflight refuses a run that cannot fit before 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -125,7 +126,7 @@ def convert(
     except OSError as exc:
         if is_no_space(exc):
             raise no_space_error(exc, partial, max(needed.total - tree_bytes(partial), 1)) from None
-        if isinstance(exc, PermissionError) or exc.errno == 30:  # EROFS
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
             raise QuantkitError(f"{exc.filename or partial}: cannot write ({exc.strerror})") from None
         raise
     actions: dict[TensorAction, int] = {}
