@@ -10,6 +10,10 @@ import sys
 
 import typer
 
+# typer 0.29 runs on its own copy of click; these are the classes its parser raises.
+from typer._click.exceptions import ClickException
+
+from quantkit.durable import is_no_space
 from quantkit.errors import QuantkitError
 
 app = typer.Typer(
@@ -42,25 +46,31 @@ _register_all()
 
 
 def main() -> None:
-    """Entry point: user errors become one line on stderr and exit 2, never a traceback."""
+    """Entry point and the exit-code contract: 0 success; 2 anything the user can fix (a QuantkitError,
+    a usage error, a full disk), one line on stderr, never a traceback; 130 interrupted; 1 internal error.
+    """
     try:
         code = app(standalone_mode=False)  # click returns typer.Exit codes instead of raising here
-        sys.exit(code if isinstance(code, int) else 0)
     except QuantkitError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _fail(f"error: {exc}", 2)
+    except ClickException as exc:  # usage errors: unknown option, bad or missing parameter
+        exc.show()
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted: nothing was published; rerun the same command to resume", file=sys.stderr)
-        sys.exit(130)
+    except (KeyboardInterrupt, typer.Abort):
+        _fail("interrupted: nothing was published; rerun the same command to resume", 130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except SystemExit:
-        raise
+    except OSError as exc:
+        if is_no_space(exc):
+            _fail(f"error: {exc.filename or 'output'}: no space left on device", 2)
+        _fail(f"internal error: {type(exc).__name__}: {exc}", 1)
     except Exception as exc:
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click/typer usage errors
-            exc.show()
-            sys.exit(2)
-        if type(exc).__name__ == "Abort":
-            sys.exit(130)
-        print(f"internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        sys.exit(1)
+        _fail(f"internal error: {type(exc).__name__}: {exc}", 1)
+    if code == 130:  # typer turns Ctrl-C inside a command into Exit(130)
+        _fail("interrupted: nothing was published; rerun the same command to resume", 130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    print(" ".join(message.split()), file=sys.stderr)  # one line, whatever the message held
+    sys.exit(code)

@@ -107,14 +107,13 @@ def convert_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Convert a checkpoint to SGLang/vLLM-loadable INT4 (W4A16 group-wise, compressed-tensors)."""
-    from quantkit.checkpoint.source import read_json
     from quantkit.convert import convert
     from quantkit.hub.client import resolve_source
     from quantkit.recipe import load_recipe
 
     with RichReporter(quiet=quiet or as_json) as reporter:
         src = resolve_source(src, progress=reporter)
-    config = read_json(src / "config.json")
+    config = _source_config(src)
     overrides = {"method": method, "group_size": group_size, "scale_search": scale_search, "kv_cache": kv_cache,
                  "calibration.dataset": calib, "calibration.samples": samples, "calibration.seq_len": seq_len,
                  "max_shard_size": max_shard_size}
@@ -140,6 +139,20 @@ class EngineChoice(str, Enum):
     sglang = "sglang"
     vllm = "vllm"
     all = "all"
+
+
+def _source_config(src: Path) -> dict[str, Any]:
+    """SRC/config.json of an architecture quantkit knows; errors name the file by its full path."""
+    from quantkit.arch import get_adapter
+    from quantkit.checkpoint.source import read_config
+
+    path = src / "config.json"
+    config = read_config(src)
+    try:
+        get_adapter(config)
+    except QuantkitError as exc:
+        raise QuantkitError(f"{path}: {str(exc).removeprefix('config.json: ')}") from None
+    return config
 
 
 def validate_cmd(

@@ -378,16 +378,14 @@ def read_checkpoint_facts(ckpt: Path) -> CheckpointFacts:
 def update_serving_record(ckpt: Path) -> list[str]:
     """Recompute `serving` in a checkpoint's quantkit.json (after KV scales were added); returns files written."""
     import json
-    import os
 
-    from quantkit.convert.publish import MANIFEST_FILE, write_json
+    from quantkit.convert.publish import MANIFEST_FILE
+    from quantkit.durable import write_json_atomic
 
     path = ckpt / MANIFEST_FILE
     if not path.exists():
         return []
     manifest = json.loads(path.read_text(encoding="utf-8"))
     manifest["serving"] = serving_record(read_checkpoint_facts(ckpt))
-    tmp = path.with_name(path.name + ".tmp")
-    write_json(tmp, manifest)
-    os.replace(tmp, path)
+    write_json_atomic(path, manifest)
     return [MANIFEST_FILE]

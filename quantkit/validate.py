@@ -332,10 +332,18 @@ def _check_against_source(out: _Output, source_dir: Path, modules: list[str], re
     from quantkit.checkpoint.source import open_source
 
     source = open_source(source_dir)
-    manifest = json.loads((out.root / "quantkit.json").read_text())
-    accounted = manifest.get("tensors", {})
     physical = {n for h in source.headers.values() for n in h.tensors}
-    problems = [f"source tensor {n} is not accounted for in quantkit.json" for n in sorted(physical - set(accounted))]
+    manifest_path = out.root / "quantkit.json"
+    try:  # an output another tool wrote has no quantkit.json: a failed check (exit 2), not a crash
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        problems = [f"source tensor {n} is not accounted for in quantkit.json"
+                    for n in sorted(physical - set(manifest.get("tensors", {})))]
+    except FileNotFoundError:
+        manifest = {}
+        problems = [f"{manifest_path} is missing: not written by quantkit; its source tensors cannot be accounted for"]
+    except (OSError, ValueError, AttributeError) as exc:
+        manifest = {}
+        problems = [f"{manifest_path} is unreadable ({type(exc).__name__})"]
     quantized = set(modules)
     for name in source.logical:
         module = name.removesuffix(".weight")

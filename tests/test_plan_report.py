@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 from quantkit.arch import Role, get_adapter
+from quantkit.convert import convert
 from quantkit.plan.catalog import get_gpu
 from quantkit.plan.html import write_html
 from quantkit.plan.inventory import PrecisionPlan, format_bytes, size_inventory
 from quantkit.plan.planner import Deployment
 from quantkit.plan.report import checkpoint_report
+from quantkit.recipe import load_recipe
+from quantkit.synth import make_checkpoint
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 
@@ -215,12 +218,9 @@ def test_plan_and_report_commands_on_a_checkpoint_directory(tiny: dict[str, Path
 
 def test_report_on_a_checkpoint_converted_by_quantkit(tmp_path: Path) -> None:
     """The converter's real output: report bytes = files; the planner's plans = the written bytes."""
-    synth = pytest.importorskip("quantkit.synth")
-    convert_mod = pytest.importorskip("quantkit.convert")
-    recipe_mod = pytest.importorskip("quantkit.recipe")
-    source = synth.make_checkpoint(tmp_path / "src", "glm_moe_dsa", "fp8", size="tiny", shards=3)
+    source = make_checkpoint(tmp_path / "src", "glm_moe_dsa", "fp8", size="tiny", shards=3)
     out = tmp_path / "int4"
-    convert_mod.convert(source, out, recipe_mod.load_recipe("glm5-w4a16-g32", {}))
+    convert(source, out, load_recipe("glm5-w4a16-g32", {}))
     rep = checkpoint_report(out, Deployment(get_gpu("h200"), context=4096), source=str(source))
     shards = sum(os.path.getsize(p) for p in out.glob("*.safetensors"))
     assert (

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from quantkit.arch import Adapter
+from quantkit.durable import write_json_atomic
 from quantkit.errors import QuantkitError
 
 __all__ = [
@@ -269,10 +270,10 @@ def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], adapter:
         raise QuantkitError(f"{ckpt / wm[clash[0]]}: already holds {clash[0]}; refusing to add a second copy")
     wm.update({k: KV_SHARD for k in tensors})
     index["weight_map"] = dict(sorted(wm.items()))
-    _atomic(index_path, lambda p: p.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8"))
+    write_json_atomic(index_path, index)
     qc["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
     config["quantization_config"] = qc
-    _atomic(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+    write_json_atomic(config_path, config)
     return [KV_SHARD, index_path.name, config_path.name]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from safetensors import safe_open
 
 from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report
+from quantkit.durable import write_json_atomic
 from quantkit.quant.int4 import PackedInt4
 
 __all__ = ["CalibrationResult", "COVERAGE_FILE", "KV_REPORT_FILE"]
@@ -165,6 +166,4 @@ class CalibrationResult:
 
 
 def _dump(path: Path, value: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_json_atomic(path, value)

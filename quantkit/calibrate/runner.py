@@ -38,6 +38,7 @@ from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows, 
 from quantkit.calibrate.kv import KVStats, StatCache
 from quantkit.calibrate.moe import ExpertMoE, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
+from quantkit.durable import write_json_atomic
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn
 
@@ -136,7 +137,7 @@ def _check_manifest(work_dir: Path, source: Any, recipe: Any, tokens: torch.Tens
         say("calibration: work directory was made with other inputs; starting over")
         for p in work_dir.iterdir():
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    path.write_text(json.dumps(manifest) + "\n")
+    write_json_atomic(path, manifest, indent=None)
 
 
 def layer_file(work_dir: Path, layer: int) -> Path:

@@ -28,6 +28,7 @@ ST_TO_TORCH = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_METADATA = 1 << 20  # __metadata__ is a few strings ({"format": "pt"}); megabytes of it is an attack
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,42 @@ def read_header(path: Path) -> ShardHeader:
         raise QuantkitError(f"{path}: cannot read ({exc.strerror})") from None
     if not isinstance(header, dict):
         raise QuantkitError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = _metadata(path, header.pop("__metadata__", None))
     tensors = {name: _entry(path, name, info) for name, info in header.items()}
-    data_len = size - 8 - header_len
-    end = max((t.end for t in tensors.values()), default=0)
-    if end > data_len:
+    _check_layout(path, tensors, size - 8 - header_len)
+    return ShardHeader(path, header_len, tensors, metadata, size)
+
+
+def _metadata(path: Path, value: object) -> dict[str, str]:
+    """`__metadata__` is a small string-to-string map (safetensors' own rule)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise QuantkitError(f"{path}: __metadata__ must map strings to strings")
+    size = sum(len(k) + len(v) for k, v in value.items())
+    if size > _MAX_METADATA:
+        raise QuantkitError(f"{path}: __metadata__ holds {size} characters (more than {_MAX_METADATA}); refusing it")
+    return value
+
+
+def _check_layout(path: Path, tensors: dict[str, HeaderEntry], data_len: int) -> None:
+    """Tensors tile the data section exactly: no overlap, no gap, nothing past the end (as safetensors checks)."""
+    offset = 0
+    for name, entry in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if entry.start != offset:
+            what = "overlaps the tensor before it" if entry.start < offset else f"leaves a gap at byte {offset}"
+            raise QuantkitError(f"{path}: tensor {name} starts at byte {entry.start} and {what} (data offsets must "
+                                "tile the file)")
+        offset = entry.end
+    if offset > data_len:
         worst = max(tensors, key=lambda n: tensors[n].end)
         raise QuantkitError(
-            f"{path}: truncated: tensor {worst} ends at byte {end} of the data section but the file holds "
+            f"{path}: truncated: tensor {worst} ends at byte {offset} of the data section but the file holds "
             f"{data_len}"
         )
-    return ShardHeader(path, header_len, tensors, metadata, size)
+    if offset < data_len:
+        raise QuantkitError(f"{path}: {data_len - offset} bytes after the last tensor are not described by the "
+                            "header (corrupt or stale data)")
 
 
 def _entry(path: Path, name: str, info: object) -> HeaderEntry:
@@ -95,11 +121,11 @@ def _entry(path: Path, name: str, info: object) -> HeaderEntry:
         dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]  # type: ignore[index]
     except (TypeError, KeyError, ValueError):
         raise QuantkitError(f"{path}: corrupt header entry for tensor {name}") from None
-    if dtype not in DTYPE_BYTES or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(dtype, str) or dtype not in ST_TO_TORCH or not all(type(d) is int and d >= 0 for d in shape):
         raise QuantkitError(f"{path}: tensor {name} has unsupported dtype {dtype!r} or bad shape {shape}")
     numel = 1
     for d in shape:
         numel *= d
-    if not (isinstance(start, int) and isinstance(end, int)) or end - start != numel * DTYPE_BYTES[dtype]:
+    if not (type(start) is int and type(end) is int and 0 <= start <= end) or end - start != numel * DTYPE_BYTES[dtype]:
         raise QuantkitError(f"{path}: tensor {name}: data offsets do not match dtype {dtype} and shape {shape}")
     return HeaderEntry(dtype, shape, start, end)

@@ -18,22 +18,37 @@ import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from quantkit.arch import Adapter, get_adapter
+from quantkit.arch import Adapter, get_adapter, text_config
 from quantkit.checkpoint.safetensors_header import ST_TO_TORCH, HeaderEntry, ShardHeader, read_header
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import dequantize_group, unpack_int4
 
-__all__ = ["LogicalTensor", "SourceCheckpoint", "open_source", "read_json", "PICKLE_SUFFIXES", "INDEX_NAME"]
+__all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint", "TensorFormat", "check_config",
+           "link_root", "open_source", "read_config", "read_json"]
+
+# The one format vocabulary: how a logical tensor is stored, and (its most specific one) a whole checkpoint.
+# plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed: compressed-tensors.
+TensorFormat = Literal["plain", "fp8_block", "int4_packed"]
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _FP8_DTYPES = {"F8_E4M3"}
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 _PICKLE_REFUSED = "pickle checkpoints are refused (they are never unpickled); convert them to safetensors first"
+_MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
+_MAX_INDEX_BYTES = 256 << 20  # DeepSeek-V3's index is ~10 MB
+_MAX_DIM = 1 << 31
+# Every config.json field the adapters read as a count or a size; each must be a whole number in range.
+_CONFIG_INTS = (
+    "num_hidden_layers", "num_nextn_predict_layers", "first_k_dense_replace", "moe_layer_freq", "hidden_size",
+    "vocab_size", "n_routed_experts", "moe_intermediate_size", "n_shared_experts", "intermediate_size",
+    "num_attention_heads", "head_dim", "num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "kv_lora_rank", "q_lora_rank", "index_n_heads", "index_head_dim", "num_experts_per_tok",
+)
 
 
 @dataclass
@@ -41,7 +56,7 @@ class LogicalTensor:
     """One logical tensor and the physical tensors it is made of."""
 
     name: str
-    fmt: str  # "plain" | "fp8_block" | "int4_packed"
+    fmt: TensorFormat
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype of the primary physical tensor
     shard: str  # file holding the primary physical tensor
@@ -87,9 +102,10 @@ class SourceCheckpoint:
         return all((g.get("weights") or {}).get("symmetric", True) for g in groups)
 
     @cached_property
-    def source_format(self) -> str:
+    def source_format(self) -> TensorFormat:
+        """The checkpoint's most specific tensor format (INT4 sources keep BF16 attention, FP8 ones too)."""
         fmts = {t.fmt for t in self.logical.values()}
-        return "int4" if "int4_packed" in fmts else "fp8_block" if "fp8_block" in fmts else "bf16"
+        return "int4_packed" if "int4_packed" in fmts else "fp8_block" if "fp8_block" in fmts else "plain"
 
     @cached_property
     def model_dtype(self) -> torch.dtype:
@@ -164,6 +180,9 @@ class SourceCheckpoint:
                 f"{self.root / t.parts[scale_name]}: tensor {scale_name} has shape {list(scale.shape)}, "
                 f"expected {[-(-rows // bh), -(-cols // bw)]} for blocks {bh}x{bw}"
             )
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            raise QuantkitError(f"{self.root / t.parts[scale_name]}: tensor {scale_name} holds a zero, negative, "
+                                "NaN or Inf block scale")
         weight = fp8_to_float32(raw)
         if rows % bh == 0 and cols % bw == 0:  # broadcast the block scale, no full-size scale matrix
             return weight.view(rows // bh, bh, cols // bw, bw).mul_(scale[:, None, :, None]).view(rows, cols)
@@ -191,17 +210,31 @@ def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
     root = Path(path)
     if not root.is_dir():
         raise QuantkitError(f"{root}: not a directory")
-    config = read_json(root / "config.json")
+    config = read_config(root)
     files = _weight_files(root)
     headers = {f: read_header(root / f) for f in files}
     _check_index(root, files, headers)
+    _check_config_size(root / "config.json", config, sum(len(h.tensors) for h in headers.values()))
     source = SourceCheckpoint(root, config, headers)
+    _check_formats(source)
     _check_inventory(source)
     return source
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_config(root: Path) -> dict[str, Any]:
+    """ROOT/config.json, size-bounded and checked (`check_config`) before anything uses its values."""
+    path = root / "config.json"
+    config = read_json(path, _MAX_CONFIG_BYTES)
+    check_config(path, config)
+    return config
+
+
+def read_json(path: Path, max_bytes: int = _MAX_INDEX_BYTES) -> dict[str, Any]:
+    """A JSON object from `path`, refusing files larger than `max_bytes` before reading them."""
     try:
+        if path.stat().st_size > max_bytes:
+            raise QuantkitError(f"{path}: {path.stat().st_size} bytes, more than the {max_bytes} such a file can "
+                                "plausibly need; refusing to parse it")
         value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QuantkitError(f"{path}: missing") from None
@@ -214,11 +247,22 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def link_root(root: Path) -> Path:
+    """Where the files of `root` may resolve to through symlinks: `root` itself, or for a Hugging Face
+    cache snapshot (`models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>`) the cache repo folder."""
+    real = root.resolve()
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return real
+
+
 def _inside(root: Path, rel: str) -> Path:
-    """Resolve `rel` under `root`, refusing absolute paths and anything that escapes it."""
-    candidate = (root / rel).resolve()
-    if os.path.isabs(rel) or not candidate.is_relative_to(root.resolve()):
+    """Resolve `rel` under `root`, refusing absolute paths, `..` and symlinks that lead out of `link_root`."""
+    if os.path.isabs(rel) or ".." in Path(rel).parts:
         raise QuantkitError(f"{root / INDEX_NAME}: file {rel!r} points outside the checkpoint directory")
+    candidate = (root / rel).resolve()
+    if not candidate.is_relative_to(link_root(root)):
+        raise QuantkitError(f"{root / rel}: is a symlink to {candidate}, outside the checkpoint directory")
     return candidate
 
 
@@ -243,6 +287,8 @@ def _weight_files(root: Path) -> list[str]:
                 files.append(rel)
         return files
     files = sorted(p.name for p in root.glob("*.safetensors"))
+    for f in files:
+        _inside(root, f)
     if not files:
         if pickles:
             raise QuantkitError(f"{root / pickles[0]}: {_PICKLE_REFUSED}")
@@ -270,6 +316,98 @@ def _check_index(root: Path, files: list[str], headers: dict[str, ShardHeader]) 
             raise QuantkitError(f"{root / f}: holds tensor {name}, which the index does not list (stale index?)")
 
 
+def check_config(path: Path, config: dict[str, Any]) -> None:
+    """Counts and sizes in config.json are whole numbers in range and `quantization_config` is well formed,
+    checked before any adapter reads them."""
+    text = text_config(config)
+    qc = config.get("quantization_config")
+    if qc is not None and not (isinstance(qc, dict) and isinstance(qc.get("config_groups", {}), dict)
+                               and all(isinstance(g, dict) and isinstance(g.get("weights") or {}, dict)
+                                       for g in (qc.get("config_groups") or {}).values())):
+        raise QuantkitError(f"{path}: quantization_config is malformed (expected an object with config_groups)")
+    for group in ((qc or {}).get("config_groups") or {}).values():
+        size = (group.get("weights") or {}).get("group_size")
+        if size is not None and (type(size) is not int or not 0 < size < _MAX_DIM):
+            raise QuantkitError(f"{path}: quantization_config group_size must be a positive integer, got {size!r}")
+    for key in _CONFIG_INTS:
+        value = text.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or not 0 <= value < _MAX_DIM:
+            raise QuantkitError(f"{path}: {key} must be a whole number between 0 and {_MAX_DIM}, got {value!r}")
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise QuantkitError(f"{path}: num_hidden_layers must be a positive whole number, got {layers!r}")
+
+
+def _check_config_size(path: Path, config: dict[str, Any], n_tensors: int) -> None:
+    """The config may not imply more tensors than the shards hold: `num_hidden_layers: 1e9` fails at once
+    instead of building an inventory of billions of entries."""
+    text = text_config(config)
+    layers = text["num_hidden_layers"]
+    implied = 2 * layers + 3 * (text.get("n_routed_experts") or 0)  # two norms per layer, one MoE layer at least
+    if implied > n_tensors:
+        raise QuantkitError(f"{path}: num_hidden_layers {layers} and n_routed_experts "
+                            f"{text.get('n_routed_experts')} imply at least {implied} tensors, but the shards hold "
+                            f"{n_tensors}")
+
+
+def _check_formats(source: SourceCheckpoint) -> None:
+    """The tensors must be what `quantization_config` says they are, and quantized parts must fit together."""
+    qc = source.quantization_config
+    path = source.root / "config.json"
+    method = qc.get("quant_method")
+    fmts = {t.fmt for t in source.logical.values()}
+    if "fp8_block" in fmts and method != "fp8":
+        name = next(n for n, t in source.logical.items() if t.fmt == "fp8_block")
+        raise QuantkitError(f"{path}: tensor {name} is FP8 but quantization_config.quant_method is {method!r}, "
+                            "not 'fp8'")
+    if method == "fp8" and "fp8_block" not in fmts:
+        raise QuantkitError(f"{path}: quantization_config says fp8, but no tensor is stored as FP8 (F8_E4M3)")
+    if "int4_packed" in fmts and method != "compressed-tensors":
+        name = next(n for n, t in source.logical.items() if t.fmt == "int4_packed")
+        raise QuantkitError(f"{path}: tensor {name} is INT4-packed but quantization_config.quant_method is "
+                            f"{method!r}, not 'compressed-tensors'")
+    if method == "fp8":
+        block = qc.get("weight_block_size") or [128, 128]
+        if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b < _MAX_DIM
+                                                                    for b in block)):
+            raise QuantkitError(f"{path}: quantization_config.weight_block_size must be two positive integers, "
+                                f"got {block!r}")
+    for name, t in source.logical.items():
+        if t.fmt == "fp8_block":
+            _check_fp8_scale(source, name, t)
+        elif t.fmt == "int4_packed":
+            _check_int4_scale(source, name, t)
+
+
+def _check_fp8_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> None:
+    scale = name + "_scale_inv"
+    entry = source.headers[t.parts[scale]].tensors[scale]
+    bh, bw = source.fp8_block_size
+    if len(t.shape) != 2:
+        raise QuantkitError(f"{source.root / t.shard}: FP8 tensor {name} has shape {list(t.shape)}; block FP8 "
+                            "weights are 2-D")
+    expected = (-(-t.shape[0] // bh), -(-t.shape[1] // bw))
+    if entry.shape != expected:
+        raise QuantkitError(f"{source.root / t.parts[scale]}: tensor {scale} has shape {list(entry.shape)}, "
+                            f"expected {list(expected)} for blocks {bh}x{bw}")
+
+
+def _check_int4_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> None:
+    module = name.rsplit(".", 1)[0]
+    scale = f"{module}.weight_scale"
+    entry = source.headers[t.parts[scale]].tensors[scale]
+    rows, cols = t.shape
+    group = source.int4_group_size
+    ok = len(entry.shape) == 2 and entry.shape[0] == rows and entry.shape[1] > 0 and cols % entry.shape[1] == 0
+    if ok and group is not None:
+        ok = entry.shape[1] * group == cols
+    if not ok:
+        raise QuantkitError(f"{source.root / t.parts[scale]}: tensor {scale} has shape {list(entry.shape)}, which "
+                            f"does not fit weight {[rows, cols]} with group size {group}")
+
+
 def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
     """Group physical tensors into logical ones: FP8 pairs and INT4 triples become one `X.weight`."""
     where: dict[str, tuple[str, HeaderEntry]] = {
@@ -282,7 +420,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
         if param == "weight_packed":
             parts = {f"{module}.{p}": where[f"{module}.{p}"][0] for p in _INT4_PARTS if f"{module}.{p}" in where}
             if len(parts) < 3:
-                raise QuantkitError(f"{f}: tensor {name} has no matching weight_scale / weight_shape")
+                raise QuantkitError(f"{headers[f].path}: tensor {name} has no matching weight_scale / weight_shape")
             shape = _int4_shape(headers, parts, module)
             absorbed.update(parts)
             logical[f"{module}.weight"] = LogicalTensor(
@@ -291,7 +429,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
         elif param == "weight" and entry.dtype in _FP8_DTYPES:
             scale = f"{module}.weight_scale_inv"
             if scale not in where:
-                raise QuantkitError(f"{f}: FP8 tensor {name} has no {scale}")
+                raise QuantkitError(f"{headers[f].path}: FP8 tensor {name} has no {scale}")
             parts = {name: f, scale: where[scale][0]}
             absorbed.add(scale)
             logical[name] = LogicalTensor(name, "fp8_block", entry.shape, entry.dtype, f, parts, _bytes(where, parts))
@@ -299,7 +437,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
         if name in absorbed or name in logical:
             continue
         if name.endswith("_scale_inv"):
-            raise QuantkitError(f"{f}: {name} has no FP8 weight it belongs to")
+            raise QuantkitError(f"{headers[f].path}: {name} has no FP8 weight it belongs to")
         logical[name] = LogicalTensor(name, "plain", entry.shape, entry.dtype, f, {name: f}, entry.nbytes)
     return dict(sorted(logical.items(), key=lambda kv: _natural_key(kv[0])))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.manifest import write_digest
+from quantkit.durable import fsync_dir
 
 __all__ = ["PlannedTensor", "StreamingShardWriter", "TORCH_TO_ST", "fsync_dir", "split_parts"]
 
@@ -114,14 +115,9 @@ class StreamingShardWriter:
         return self.path
 
     def abort(self) -> None:
-        self._fh.close()
+        """Drop the unfinished file (also when closing it fails, as it does on a full disk)."""
+        try:
+            self._fh.close()
+        except OSError:
+            pass
         self._tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

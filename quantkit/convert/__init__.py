@@ -6,21 +6,28 @@
     convert_shard x N         stream each source shard into bounded part files (+ journal entry)
     finalize + publish        final shard names, rebuilt index, config, manifest, atomic rename
 
-A crash or Ctrl-C leaves `OUT.partial/` with a journal; rerunning the same command resumes from the
-shards (and calibration layers) already finished and produces the same bytes.
+A crash, kill -9, Ctrl-C or full disk leaves `OUT.partial/` with a journal; rerunning the same command
+resumes from the shards (and calibration layers) already finished and produces the same bytes. Every
+step after the last shard is idempotent too (see `quantkit.convert.publish`). `OUT.partial/.quantkit.lock`
+keeps a second run off the same OUT; the kernel releases it when its process dies, so a killed run's
+lock is taken over. A free-space preflight refuses a run that cannot fit before anything is written.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import signal
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -28,24 +35,28 @@ from quantkit.arch import Adapter
 from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.source import SourceCheckpoint, open_source
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
-from quantkit.convert.plan import TensorPlan, plan_conversion
+from quantkit.convert.plan import TensorAction, TensorPlan, plan_conversion
 from quantkit.convert.publish import (
     MANIFEST_FILE,
     RECIPE_FILE,
     account,
     carry_over_files,
     finalize_shards,
+    is_finished,
     publish,
-    source_fingerprint,
-    tool_versions,
-    write_json,
+    run_identity,
 )
+from quantkit.convert.space import planned_bytes, preflight
 from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_name
+from quantkit.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
 from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_roles
 from quantkit.errors import QuantkitError
 from quantkit.hub import read_origin
 from quantkit.hub.card import write_card
 from quantkit.recipe import Recipe
+
+if TYPE_CHECKING:
+    from quantkit.calibrate.result import CalibrationResult
 
 __all__ = ["ConvertResult", "Reporter", "check_recipe_loadable", "convert"]
 
@@ -78,7 +89,7 @@ class ConvertResult:
     source_bytes: int
     output_bytes: int
     seconds: float
-    actions: dict[str, int]
+    actions: dict[TensorAction, int]
     resumed_shards: int = 0
     warnings: list[str] = field(default_factory=list)
     calibration_summary: str = ""
@@ -96,13 +107,53 @@ def convert(
     started = time.perf_counter()
     report = reporter or _Silent()
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
-    _check_paths(src_path, out_path, force)
+    _check_paths(src_path, out_path)
     source = open_source(src_path)
     check_recipe_loadable(source.adapter, recipe)
     plans = plan_conversion(source, recipe)
+    identity = run_identity(source, recipe.model_dump(mode="json"))
+    _check_out(out_path, identity, force)
     partial = out_path.with_name(out_path.name + ".partial")
-    done = _prepare_partial(partial, source, recipe, report)
+    needed = planned_bytes(source, plans, recipe)
+    preflight(partial, needed, _resumable(partial, identity))
+    lock = RunLock(partial)
+    created = not partial.exists()
+    try:
+        with lock.held():
+            if out_path.exists() and not force:  # published by another run while we waited for the lock
+                if created:
+                    shutil.rmtree(partial, ignore_errors=True)
+                _check_out(out_path, identity, force)
+            if lock.previous_owner:
+                report.note(f"taking over {partial.name} from a run that stopped ({lock.previous_owner})")
+            resumed, calibration = _convert_locked(source, plans, recipe, identity, partial, out_path, workers, force,
+                                                   report)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise no_space_error(exc, partial, max(needed.total - tree_bytes(partial), 1)) from None
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            raise QuantkitError(f"{exc.filename or partial}: cannot write ({exc.strerror})") from None
+        raise
+    actions: dict[TensorAction, int] = {}
+    for plan in (p for ps in plans.values() for p in ps):
+        actions[plan.action] = actions.get(plan.action, 0) + 1
+    return ConvertResult(
+        out_path, source.source_bytes, _output_bytes(out_path), time.perf_counter() - started, actions, resumed,
+        list(source.warnings), calibration.summary() if calibration is not None else "",
+    )
 
+
+def _convert_locked(
+    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: dict[str, Any],
+    partial: Path, out: Path, workers: int, force: bool, report: Reporter,
+) -> tuple[int, CalibrationResult | None]:
+    """Everything that writes, under the run lock: shards, calibration, finalize, metadata, publish."""
+    if is_finished(partial, identity):  # killed after the metadata was complete: only publishing is left
+        report.note(f"resuming: {partial.name} holds a finished conversion; publishing it")
+        write_card(partial)  # deterministic from quantkit.json: a kill before it was written loses nothing
+        publish(partial, out, force)
+        return len(source.shard_files), None
+    done = _prepare_partial(partial, source, identity, report)
     calibration = None
     if recipe.needs_calibration:
         from quantkit.calibrate.runner import calibrate
@@ -118,43 +169,70 @@ def convert(
     if calibration is not None and calibration.kv_scales:
         journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
     weight_map = finalize_shards(partial, journal)
-    output_bytes = _write_metadata(source, recipe, plans, partial, weight_map, calibration)
+    _write_metadata(source, recipe, plans, partial, weight_map, calibration, identity)
     write_card(partial)  # README.md from quantkit.json; the source's README kept as README.source.md
-    publish(partial, out_path, force)
-    actions: dict[str, int] = {}
-    for plan in (p for ps in plans.values() for p in ps):
-        actions[plan.action] = actions.get(plan.action, 0) + 1
-    return ConvertResult(
-        out_path, source.source_bytes, output_bytes, time.perf_counter() - started, actions, len(done),
-        list(source.warnings), calibration.summary() if calibration is not None else "",
-    )
+    publish(partial, out, force)
+    return len(done), calibration
 
 
-def _check_paths(src: Path, out: Path, force: bool) -> None:
+def _check_paths(src: Path, out: Path) -> None:
     if out == src or out.is_relative_to(src):
         raise QuantkitError(f"{out}: refusing to write inside the source directory {src}")
     if src.is_relative_to(out):
         raise QuantkitError(f"{out}: refusing to write over a directory that contains the source")
-    if out.exists() and not force:
-        raise QuantkitError(f"{out}: already exists (use --force to replace it)")
+    parent = out.parent
+    if not parent.is_dir():
+        raise QuantkitError(f"{parent}: the output's parent directory does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise QuantkitError(f"{parent}: not writable (read-only file system or no permission)")
 
 
-def _prepare_partial(partial: Path, source: SourceCheckpoint, recipe: Recipe, report: Reporter) -> set[int]:
-    """Create OUT.partial, or resume it when it was made by the same source and recipe."""
-    run = {"fingerprint": source_fingerprint(source), "recipe": recipe.model_dump(mode="json"),
-           "versions": tool_versions()}
-    run_file = partial / "journal" / _RUN_FILE
-    if partial.exists():
+def _check_out(out: Path, identity: dict[str, Any], force: bool) -> None:
+    """OUT must not exist (or --force); a lock left in it by a run killed right after publishing is removed."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise QuantkitError(f"{out}: exists and is not a directory; refusing to replace it")
+    stray = RunLock(out)
+    if stray.path.exists():  # the publishing run was killed between its rename and removing the lock file
         try:
-            same = json.loads(run_file.read_text()) == run
-        except (OSError, json.JSONDecodeError):
+            with stray.held():
+                stray.unlink_before_rename()
+        except QuantkitError:
+            raise QuantkitError(f"{out}: another quantkit run is publishing it right now") from None
+    if force:
+        return
+    if is_finished(out, identity):
+        raise QuantkitError(f"{out}: already converted from this source with this recipe (use --force to redo it)")
+    raise QuantkitError(f"{out}: already exists (use --force to replace it)")
+
+
+def _resumable(partial: Path, identity: dict[str, Any]) -> bool:
+    """Whether the bytes already in OUT.partial count towards this run (read without the lock: an estimate)."""
+    try:
+        return is_finished(partial, identity) or json.loads((partial / "journal" / _RUN_FILE).read_text()) == identity
+    except (OSError, ValueError):
+        return False
+
+
+def _prepare_partial(partial: Path, source: SourceCheckpoint, identity: dict[str, Any], report: Reporter) -> set[int]:
+    """Create OUT.partial's work folders, or resume it when it was made by the same source and recipe."""
+    run_file = partial / "journal" / _RUN_FILE
+    contents = [p for p in partial.iterdir() if p.name != RunLock.NAME]
+    if contents:
+        try:
+            same = json.loads(run_file.read_text()) == identity
+        except (OSError, ValueError):
             same = False
         if not same:
-            report.note(f"discarding {partial.name}: it was made from another source, recipe or version")
-            shutil.rmtree(partial)
-    (partial / "parts").mkdir(parents=True, exist_ok=True)
-    (partial / "journal").mkdir(parents=True, exist_ok=True)
-    write_json(run_file, run)
+            why = ("it was made from another source, recipe or quantkit version" if run_file.exists()
+                   else "it holds no journal of a quantkit run")
+            report.note(f"discarding {partial.name}: {why}")
+            for path in contents:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    (partial / "parts").mkdir(exist_ok=True)
+    (partial / "journal").mkdir(exist_ok=True)
+    write_json_atomic(run_file, identity)
     done = {i for i in range(len(source.shard_files)) if journal_path(partial, i).exists()}
     for part in (partial / "parts").glob("part-*.safetensors*"):
         if int(part.name.split("-")[1]) not in done:
@@ -162,6 +240,10 @@ def _prepare_partial(partial: Path, source: SourceCheckpoint, recipe: Recipe, re
     if done:
         report.note(f"resuming: {len(done)} of {len(source.shard_files)} shards already converted")
     return done
+
+
+def _output_bytes(out: Path) -> int:
+    return sum(p.stat().st_size for p in out.glob("*.safetensors"))
 
 
 def _read_journal(partial: Path, index: int) -> dict[str, Any]:
@@ -172,9 +254,18 @@ def _read_journal(partial: Path, index: int) -> dict[str, Any]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(source: SourceCheckpoint, calibration: Any, queue: Any, threads: int) -> None:
+def _init_worker(source: SourceCheckpoint, calibration: Any, queue: Any, threads: int, parent: int) -> None:
+    _die_with_parent(parent)
     torch.set_num_threads(threads)
     _WORKER.update(source=source, calibration=calibration, queue=queue)
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker must not outlive a killed parent: it would go on writing into OUT.partial under a rerun."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _worker_job(job: ShardJob) -> dict[str, Any]:
@@ -193,7 +284,7 @@ def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Any, 
     ctx = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
     queue = ctx.Queue()  # progress in bytes, tensor by tensor
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
-                             initargs=(source, calibration, queue, threads)) as pool:
+                             initargs=(source, calibration, queue, threads, os.getpid())) as pool:
         pending: set[Future[dict[str, Any]]] = {pool.submit(_worker_job, job) for job in jobs}
         try:
             while pending:
@@ -248,19 +339,21 @@ def _write_metadata(
     plans: dict[str, list[TensorPlan]],
     partial: Path,
     weight_map: dict[str, str],
-    calibration: Any,
+    calibration: CalibrationResult | None,
+    identity: dict[str, Any],
 ) -> int:
-    """config.json, index, recipe, carried-over files, reports and quantkit.json; returns output bytes."""
+    """config.json, index, recipe, carried-over files, reports and quantkit.json (last: it marks the
+    metadata complete, see `is_finished`); returns output bytes."""
     copied, skipped = carry_over_files(source, partial)
     config = dict(source.config)
     ignore = source.adapter.ignore_patterns(set(recipe.quantize_roles))
     kv = calibration is not None and bool(calibration.kv_scales)
     config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
-    write_json(partial / "config.json", config)
+    write_json_atomic(partial / "config.json", config)
     reports = calibration.write_reports(partial) if calibration is not None else []
-    (partial / RECIPE_FILE).write_text(recipe.to_yaml(), encoding="utf-8")
+    write_text_atomic(partial / RECIPE_FILE, recipe.to_yaml())
     shard_bytes = {f: (partial / f).stat().st_size for f in sorted(set(weight_map.values()))}
-    write_json(partial / "model.safetensors.index.json",
+    write_json_atomic(partial / "model.safetensors.index.json",
                {"metadata": {"total_size": _data_bytes(partial, shard_bytes)}, "weight_map": weight_map})
     tensors = account(plans, weight_map)
     summary: dict[str, dict[str, int]] = {}
@@ -271,18 +364,18 @@ def _write_metadata(
         row["output_bytes"] += sum(o.nbytes for o in plan.outputs)
     manifest = {
         "format": "quantkit/1",
-        "tool_versions": tool_versions(),
-        "source": {"name": source.root.name, "fingerprint": source_fingerprint(source), "format": source.source_format,
+        "tool_versions": identity["versions"],
+        "source": {"name": source.root.name, "fingerprint": identity["fingerprint"], "format": source.source_format,
                    "bytes": source.source_bytes, "shards": len(source.shard_files), "warnings": source.warnings,
                    "hub": read_origin(source.root)},
-        "recipe": recipe.model_dump(mode="json"),
+        "recipe": identity["recipe"],
         "output": {"bytes": sum(shard_bytes.values()), "shards": shard_bytes, "files_copied": copied,
                    "files_skipped": skipped, "reports": reports},
         "summary": summary,
         "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
         "tensors": tensors,
     }
-    write_json(partial / MANIFEST_FILE, manifest)
+    write_json_atomic(partial / MANIFEST_FILE, manifest)
     return sum(shard_bytes.values())
 
 

@@ -8,6 +8,7 @@ for early errors: a group size that does not divide a weight fails here, before 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -18,11 +19,12 @@ from quantkit.checkpoint.writer import PlannedTensor
 from quantkit.quant.int4 import check_group_size
 from quantkit.recipe import Recipe
 
-__all__ = ["TensorPlan", "plan_conversion"]
+__all__ = ["TensorAction", "TensorPlan", "plan_conversion"]
 
+TensorAction = Literal["quantize", "passthrough", "keep", "dequantize"]
 
 # Why each action happens; written into quantkit.json next to every tensor.
-REASONS = {
+REASONS: dict[TensorAction, str] = {
     "quantize": "role {role} is quantized by the recipe (INT4 group {group})",
     "passthrough": "already INT4 with the recipe's scheme: copied unchanged",
     "keep": "role {role} is kept by the recipe: copied unchanged",
@@ -35,7 +37,7 @@ class TensorPlan:
     """What happens to one logical tensor."""
 
     name: str
-    action: str  # quantize | passthrough | keep | dequantize
+    action: TensorAction
     role: Role
     layer: int | None
     source: LogicalTensor

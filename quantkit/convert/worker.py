@@ -6,8 +6,6 @@ is read. Peak memory per worker is one logical tensor in fp32 plus its outputs, 
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.checkpoint.writer import StreamingShardWriter, split_parts
 from quantkit.convert.plan import TensorPlan
+from quantkit.durable import fsync_dir, write_json_atomic
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import PackedInt4, mse_group_scales, pack_int4, quantize_group, quantize_rtn
 from quantkit.recipe import Recipe
@@ -65,7 +64,8 @@ def convert_shard(
             writer.abort()
             raise
     entry = {"shard": job.shard, "parts": written}
-    _write_json_atomic(journal_path(job.work_dir, job.index), entry)
+    fsync_dir(job.work_dir / "parts")  # the parts' directory entries are durable before the journal says done
+    write_json_atomic(journal_path(job.work_dir, job.index), entry)
     return entry
 
 
@@ -116,13 +116,3 @@ def _quantize_rtn(source: SourceCheckpoint, plan: TensorPlan, recipe: Recipe) ->
     if not torch.isfinite(scale).all():  # NaN/Inf anywhere in a group reaches its scale
         raise QuantkitError(f"{source.root / plan.source.shard}: tensor {plan.name} contains NaN or Inf values")
     return pack_int4(q, scale)
-
-
-def _write_json_atomic(path: Path, value: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(value, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
