@@ -1,7 +1,8 @@
 """The SGLang runner executes SGLang 0.5.23's own loader on quantkit outputs and detects what it gets wrong.
 
-Each test converts a generated checkpoint with quantkit and runs `run_sglang.py` on it (a fresh process:
-SGLang's argparse, config parsing, scheme selection, model construction and `load_weights`). The known
+The checkpoints are quantkit conversions of generated models; `run_sglang.py` runs SGLang on them (its
+argparse, config parsing, scheme selection, model construction and `load_weights`), all runs in one batch
+process (SGLang imported once, a forked child per run). The known
 SGLang behaviours (docs/engines.md) must show up in the report exactly where they happen:
 GLM-4.x shared experts dropped under fusion, loaded with `--disable-shared-experts-fusion`; MLA
 `self_attn.k_scale` skipped while `kv_cache_scheme` makes the KV cache FP8 at scale 1.0; GLM-4.x GQA
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import run_engine
+from harness import run_engine, run_engine_batch
 from safetensors.torch import load_file, save_file
 
 from quantkit.convert import convert
@@ -58,9 +59,41 @@ def _landed_nowhere(report: dict) -> set[str]:
     return skipped & set(report["draft"]["skipped_tensors"]) if report.get("draft") else skipped
 
 
-def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(converted) -> None:
-    out = converted(("glm4_moe", "fp8", 32, "fp8"))[1]
-    fused = run_engine("sglang", out, [])
+GLM4_KV, MLA_KV, GLM4_G64, DSA = ("glm4_moe", "fp8", 32, "fp8"), ("deepseek_v3", "fp8", 32, "fp8"), \
+    ("glm4_moe", "bf16", 64, None), ("glm_moe_dsa", "fp8", 32, None)
+NO_FUSION = ("--disable-shared-experts-fusion",)
+
+
+def _kimi_with_mtp(root: Path) -> Path:
+    """Kimi K2.5 layout (`language_model.` prefix, tiny vision_config, no vision weights), with an MTP layer."""
+    src = make_checkpoint(root / "k2", "deepseek_v3", "int4", group_size=32)
+    src = wrap_multimodal(src, root / "kimi", "kimi_k25", vision_tensor=False)
+    convert(src, root / "out", load_recipe(None, json.loads((src / "config.json").read_text()), {"group_size": 32}))
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def reports(converted, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every run these tests check, in one `run_sglang.py --batch` (SGLang imported once, one fork per run)."""
+    mla = converted(MLA_KV)[1]
+    legacy = _rewrite(mla, tmp_path_factory.mktemp("mla-legacy") / "out",
+                      lambda n: not n.endswith(("k_proj.k_scale", "v_proj.v_scale")))
+    runs: dict[str, tuple[Path, tuple[str, ...]]] = {
+        "glm4 fused": (converted(GLM4_KV)[1], ()),
+        "glm4 plain": (converted(GLM4_KV)[1], NO_FUSION),
+        "mla legacy": (legacy, ()),
+        "mla": (mla, ("--kv-cache-dtype", "fp8_e4m3")),
+        "g64 triton": (converted(GLM4_G64)[1], ("--moe-runner-backend", "triton", *NO_FUSION)),
+        "g64 auto": (converted(GLM4_G64)[1], NO_FUSION),
+        "dsa": (converted(DSA)[1], ("--moe-runner-backend", "marlin")),
+        "kimi": (_kimi_with_mtp(tmp_path_factory.mktemp("kimi")), ("--moe-runner-backend", "marlin")),
+    }
+    return dict(zip(runs, run_engine_batch("sglang", list(runs.values())), strict=True))
+
+
+def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(converted, reports) -> None:
+    out = converted(GLM4_KV)[1]
+    fused = reports["glm4 fused"]
     assert fused["error"] is None, fused["error"]
     assert fused["architecture"] == "Glm4MoeForCausalLM"
     assert fused["notes"]["shared_experts_fusion"] is True  # glm4_moe.py refuses fusion only for w4afp8
@@ -72,7 +105,7 @@ def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(converte
     assert "model.layers.1.mlp.experts.w13_weight_packed" in fused["unloaded_params"]
     assert "model.layers.1.mlp.shared_experts.gate_up_proj" not in fused["methods"]  # no separate module
 
-    plain = run_engine("sglang", out, ["--disable-shared-experts-fusion"])
+    plain = reports["glm4 plain"]
     assert plain["error"] is None, plain["error"]
     assert plain["notes"]["shared_experts_fusion"] is False
     assert not [n for n in plain["skipped_tensors"] if "shared_experts" in n and f"layers.{MTP_LAYER}." not in n]
@@ -92,12 +125,9 @@ def test_glm4_shared_experts_dropped_under_fusion_and_loaded_without_it(converte
         assert plain["kv"][module] == {"k_scale": None, "v_scale": None}
 
 
-def test_mla_kv_scales_load_only_under_the_k_proj_names(converted, tmp_path: Path) -> None:
-    out = converted(("deepseek_v3", "fp8", 32, "fp8"))[1]
-    written = _kv_scales(out)
-    # transformers' MLA spelling only (what quantkit wrote before issue 9)
-    legacy = _rewrite(out, tmp_path / "legacy", lambda n: not n.endswith(("k_proj.k_scale", "v_proj.v_scale")))
-    report = run_engine("sglang", legacy, [])
+def test_mla_kv_scales_load_only_under_the_k_proj_names(converted, reports) -> None:
+    written = _kv_scales(converted(MLA_KV)[1])
+    report = reports["mla legacy"]  # transformers' MLA spelling only (what quantkit wrote before issue 9)
     assert report["error"] is None, report["error"]
     assert {f"model.layers.{i}.self_attn.k_scale" for i in range(3)} <= set(report["skipped_tensors"])
     assert report["kv_cache_dtype"] == "fp8_e4m3"  # kv_cache_scheme flips --kv-cache-dtype auto to FP8 ...
@@ -105,7 +135,7 @@ def test_mla_kv_scales_load_only_under_the_k_proj_names(converted, tmp_path: Pat
         assert report["kv"][f"model.layers.{i}.self_attn.attn_mqa"] == {"k_scale": 1.0, "v_scale": 1.0}
 
     # the names SGLang's deepseek loader remaps to attn_mqa: the calibrated value is what the attention reads
-    loaded = run_engine("sglang", out, ["--kv-cache-dtype", "fp8_e4m3"])
+    loaded = reports["mla"]
     assert loaded["error"] is None, loaded["error"]
     assert loaded["architecture"] == "DeepseekV3ForCausalLM"
     assert loaded["notes"]["shared_experts_fusion"] is False  # deepseek_v2.py refuses it for W4A16
@@ -121,12 +151,11 @@ def test_mla_kv_scales_load_only_under_the_k_proj_names(converted, tmp_path: Pat
     assert _landed_nowhere(loaded) - legacy_names == {f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"}
 
 
-def test_group_64_triton_moe_backend_raises_marlin_loads(converted) -> None:
-    out = converted(("glm4_moe", "bf16", 64, None))[1]
-    triton = run_engine("sglang", out, ["--moe-runner-backend", "triton", "--disable-shared-experts-fusion"])
+def test_group_64_triton_moe_backend_raises_auto_takes_marlin(reports) -> None:
+    triton = reports["g64 triton"]
     assert triton["error"] is not None and "group_size=32 or 128" in triton["error"], triton["error"]
     assert triton["error"].startswith("ValueError")
-    auto = run_engine("sglang", out, ["--disable-shared-experts-fusion"])  # Hopper + auto: the Marlin method
+    auto = reports["g64 auto"]  # Hopper + auto: the Marlin method
     assert auto["error"] is None, auto["error"]
     assert auto["notes"]["moe_runner_backend"] == "auto"
     assert auto["notes"]["group_size"] == 64
@@ -140,14 +169,13 @@ def test_legacy_kv_scales_json_fails_the_load(converted, tmp_path: Path) -> None
     scales = tmp_path / "kv_cache_scales.json"
     scales.write_text(json.dumps({"model_type": "deepseek_v3", "kv_cache": {"dtype": "float8_e4m3fn",
                                   "scaling_factor": {"0": {str(i): 0.01 for i in range(3)}}}}))
-    out = converted(("deepseek_v3", "fp8", 32, "fp8"))[1]
+    out = converted(MLA_KV)[1]
     report = run_engine("sglang", out, ["--kv-cache-dtype", "fp8_e4m3", "--quantization-param-path", str(scales)])
     assert report["error"] is not None and "does not support loading scaling factors" in report["error"]
 
 
-def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(converted) -> None:
-    out = converted(("glm_moe_dsa", "fp8", 32, None))[1]
-    report = run_engine("sglang", out, ["--moe-runner-backend", "marlin"])
+def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(reports) -> None:
+    report = reports["dsa"]
     assert report["error"] is None, report["error"]
     assert report["architecture"] == "GlmMoeDsaForCausalLM"
     # CUDA + interleaved indexer rope: wk and weights_proj fuse into one BF16 wk_weights_proj
@@ -163,13 +191,8 @@ def test_glm5_dsa_indexer_fused_and_nextn_draft_loaded(converted) -> None:
     assert not any(f"layers.{MTP_LAYER}.self_attn.indexer." in n for n in draft["skipped_tensors"])
 
 
-def test_kimi_k25_language_model_loads_int4_passthrough(tmp_path: Path) -> None:
-    """Kimi K2.5 layout (`language_model.` prefix, tiny vision_config, no vision weights), with an MTP layer."""
-    src = make_checkpoint(tmp_path / "k2", "deepseek_v3", "int4", group_size=32)
-    src = wrap_multimodal(src, tmp_path / "kimi", "kimi_k25", vision_tensor=False)
-    out = tmp_path / "out"
-    convert(src, out, load_recipe(None, json.loads((src / "config.json").read_text()), {"group_size": 32}))
-    report = run_engine("sglang", out, ["--moe-runner-backend", "marlin"])
+def test_kimi_k25_language_model_loads_int4_passthrough(reports) -> None:
+    report = reports["kimi"]
     assert report["error"] is None, report["error"]
     assert report["architecture"] == "KimiK25ForConditionalGeneration"
     assert report["notes"]["shared_experts_fusion"] is False  # kimi_k25.py refuses it for W4A16
