@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import fake_quant_reference, load_in_fresh_process, read_all
+from checkpoint_refs import fake_quant_reference, load_in_fresh_process, read_all
 
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe

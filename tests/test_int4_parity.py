@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_all
+from checkpoint_refs import read_all
 
 from quantkit.convert import convert
 from quantkit.quant.int4 import dequantize_group, mse_group_scales, pack_int4, quantize_rtn, unpack_int4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import read_all
+from checkpoint_refs import read_all
 
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe

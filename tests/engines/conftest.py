@@ -3,61 +3,25 @@
 A case is (family, source format, group size, KV): family is a quantkit family or the `kimi_k25`
 multimodal wrapper (INT4 passthrough, as Kimi ships it); KV "fp8" converts with `--kv-cache fp8`
 (layer-by-layer calibration on the bundled corpus, a tokenizer trained here). `make test` runs a covering
-subset (`CORE_CASES`); `make test-all` adds the whole matrix.
+subset (`cases.CORE_CASES`); `make test-all` adds the whole matrix. Engine runs go in batches (the engine is
+imported once per batch, one forked child per run).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from cases import REAL_MLA, Case, case_id
+from harness import run_engine_batch
 
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe
 from quantkit.synth import make_checkpoint, wrap_multimodal
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-CORPUS = REPO / "calibration_data" / "default.jsonl"
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-# vLLM's Hopper MLA prefill backends accept only the real head dims, its sparse-MLA FP8 layout needs 576
-REAL_MLA = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kv_lora_rank": 512}
-Case = tuple[str, str, int, str | None]  # family, source format, group size, kv (None | "fp8")
-
-CORE_CASES: list[Case] = [
-    ("deepseek_v3", "fp8", 32, "fp8"),
-    ("deepseek_v3", "bf16", 128, None),
-    ("kimi_k25", "int4", 32, None),
-    ("glm4_moe", "fp8", 32, "fp8"),
-    ("glm4_moe", "bf16", 64, None),
-    ("glm_moe_dsa", "fp8", 32, None),
-    ("glm_moe_dsa", "bf16", 128, "fp8"),
-    ("glm_moe_dsa", "fp8", 64, None),
-]
-_SOURCES = [("deepseek_v3", "bf16"), ("deepseek_v3", "fp8"), ("kimi_k25", "int4"), ("glm4_moe", "bf16"),
-            ("glm4_moe", "fp8"), ("glm_moe_dsa", "bf16"), ("glm_moe_dsa", "fp8")]
-ALL_CASES: list[Case] = [
-    (family, fmt, group, kv)
-    for (family, fmt), group, kv in itertools.product(_SOURCES, (32, 64, 128), (None, "fp8"))
-    if not (fmt == "int4" and group != 32)  # an INT4 source passes through at its own group size
-]
-
-
-def case_id(case: Case) -> str:
-    family, fmt, group, kv = case
-    return f"{family}-{fmt}-g{group}" + (f"-kv{kv}" if kv else "")
-
-
-def engine_params(cases: list[Case]) -> list[object]:
-    """pytest params: the core cases as they are, the rest marked slow."""
-    return [pytest.param(c, id=case_id(c), marks=() if c in CORE_CASES else pytest.mark.slow) for c in cases]
-
+CORPUS = Path(__file__).resolve().parents[2] / "calibration_data" / "default.jsonl"
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -104,3 +68,26 @@ def converted(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         return cache[case]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def engine_report(converted):
+    """engine_report(engine, case) -> the engine's report on the case's output, launched with the record's args.
+
+    The first request for a core case runs every core case in one batch."""
+    from cases import CORE_CASES
+
+    cache: dict[tuple[str, Case], dict] = {}
+
+    def get(engine: str, case: Case) -> dict:
+        if (engine, case) not in cache:
+            batch = CORE_CASES if case in CORE_CASES else [case]
+            runs = []
+            for c in batch:
+                out = converted(c)[1]
+                runs.append((out, json.loads((out / "quantkit.json").read_text())["serving"][engine]["args"]))
+            for c, report in zip(batch, run_engine_batch(engine, runs), strict=True):
+                cache[(engine, c)] = report
+        return cache[(engine, case)]
+
+    return get
