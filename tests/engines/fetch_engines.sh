@@ -36,7 +36,7 @@ deps() {  # deps DIR REQ...
   [ $# -eq 0 ] && return 0
   "$PY" -m pip install -q --no-deps --target "$dir" "$@"
 }
-SGLANG_DEPS=()
+SGLANG_DEPS=(msgspec==0.23.0 orjson==3.13.0 openai==2.8.0 distro==1.9.0 sniffio==1.3.1 partial_json_parser==0.2.1.1.post7 einops==0.8.1 starlette==0.50.0)
 VLLM_DEPS=()
 deps "$ROOT/deps-sglang" "${SGLANG_DEPS[@]}"
 deps "$ROOT/deps-vllm" "${VLLM_DEPS[@]}"
