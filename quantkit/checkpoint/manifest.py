@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.durable import write_text_atomic
 from quantkit.errors import QuantkitError
 
 __all__ = [
@@ -85,7 +86,9 @@ def manifest_files(directory: Path) -> list[str]:
     out = []
     for p in sorted(directory.rglob("*")):
         rel = p.relative_to(directory).as_posix()
-        if not p.is_file() or rel == MANIFEST_NAME or rel.endswith((DIGEST_SUFFIX, DIGEST_SUFFIX + ".tmp")):
+        # the manifest, its temporary file (left by a kill before its rename) and the write-time sidecars
+        if not p.is_file() or rel in (MANIFEST_NAME, MANIFEST_NAME + ".tmp") or rel.endswith(
+                (DIGEST_SUFFIX, DIGEST_SUFFIX + ".tmp")):
             continue
         if any(part.startswith(".") for part in Path(rel).parts):
             continue  # .cache/huggingface (download metadata), .quantkit-hub.json, editor files
@@ -97,12 +100,7 @@ def manifest_files(directory: Path) -> list[str]:
 
 def _write_lines(directory: Path, digests: dict[str, str]) -> Path:
     path = directory / MANIFEST_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(f"{digests[rel]}  {rel}\n" for rel in sorted(digests))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(f"{digests[rel]}  {rel}\n" for rel in sorted(digests)))
     return path
 
 
