@@ -307,7 +307,10 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
         warnings.append(kv.detail)
     problems += _indexer_problems(facts, "vllm", "vLLM (index_topk_pattern / index_topk_freq)")
     ignored = [] if q.vllm_applies_kv_scales else list(facts.kv_scale_names)
-    if facts.mtp_present:
+    if facts.mtp_present and a.wrapper is not None:
+        warnings.append(f"vLLM has no MTP draft for {a.wrapper.architecture} (Unsupported speculative method "
+                        "'mtp'): the MTP layer cannot be served")
+    elif facts.mtp_present:
         notes.append('MTP layer present: add --speculative-config \'{"method": "mtp", "num_speculative_tokens": 1}\'')
     return _verdict("vllm", args, kv, notes, warnings, problems, ignored)
 

@@ -64,7 +64,9 @@ def render_card(directory: Path, repo_id: str | None = None, base_model: str | N
     hub = record.get("source", {}).get("hub") or {}
     base = base_model or hub.get("repo_id") or _hub_id(source_meta.get("base_model"))
     name = repo_id or f"{record.get('source', {}).get('name', directory.name)}-W4A16"
-    model_ref = repo_id or directory.name.removesuffix(".partial")  # written inside OUT.partial before publish
+    # without a repo id the launch lines keep `<MODEL>`: the card must not depend on the output's path
+    # (outputs are byte-identical wherever they are written); `push` regenerates it with the repo id
+    model_ref = repo_id or "<MODEL>"
     front = _front_matter(record, config, source_meta, base)
     sections = [
         f"# {name}\n\n{_intro(record, base)}\n\n{CARD_MARK}",
