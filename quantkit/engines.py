@@ -252,7 +252,7 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
             kv = KVCacheUse("fp8_e4m3", "1.0", "self_attn.k_scale is not a name SGLang loads: KV silently FP8 "
                             "at scale 1.0")
             problems.append("MLA KV scales under names SGLang skips while kv_cache_scheme switches it to FP8 KV "
-                            "at scale 1.0 (rewrite with quantkit kv-scales)")
+                            "at scale 1.0 (convert again with this quantkit version, which writes both spellings)")
     else:  # GQA
         if not q.sglang_loads_kv_scales:
             # glm4_moe.py: Glm4MoeAttention builds RadixAttention without quant_config: no k_scale parameter.
