@@ -12,15 +12,18 @@ shards (and calibration layers) already finished and produces the same bytes.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
+from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,7 +46,10 @@ from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_
 from quantkit.errors import QuantkitError
 from quantkit.recipe import Recipe
 
-__all__ = ["ConvertResult", "Reporter", "convert"]
+if TYPE_CHECKING:  # the calibration stack imports transformers: only when a recipe calibrates
+    from quantkit.calibrate.result import CalibrationResult
+
+__all__ = ["ConvertResult", "Reporter", "check_device", "convert"]
 
 _RUN_FILE = "run.json"
 _KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
@@ -87,10 +93,16 @@ def convert(
     workers: int = 1,
     force: bool = False,
     reporter: Reporter | None = None,
+    device: str = "cpu",
 ) -> ConvertResult:
-    """Convert SRC into an INT4 compressed-tensors checkpoint at OUT (see module docstring)."""
+    """Convert SRC into an INT4 compressed-tensors checkpoint at OUT (see module docstring).
+
+    `device` is where RTN and calibration compute ("cpu", "cuda", "cuda:1"); every device writes the same
+    bytes for RTN (the CPU uses fused kernels, other devices torch ops, both bit-identical).
+    """
     started = time.perf_counter()
     report = reporter or _Silent()
+    device = check_device(device)
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     _check_paths(src_path, out_path, force)
     source = open_source(src_path)
@@ -98,16 +110,22 @@ def convert(
     partial = out_path.with_name(out_path.name + ".partial")
     done = _prepare_partial(partial, source, recipe, report)
 
-    calibration = None
+    calibration: CalibrationResult | None = None
     if recipe.needs_calibration:
         from quantkit.calibrate.runner import calibrate
 
         report.stage("calibrating layer by layer")
-        calibration = calibrate(source, recipe, partial / "calibration", progress=report.note)
+        calibration = calibrate(source, recipe, partial / "calibration", progress=report.note, device=device)
 
-    jobs = [ShardJob(i, s, plans[s], partial, recipe) for i, s in enumerate(source.shard_files) if i not in done]
+    jobs = [ShardJob(i, s, plans[s], partial, recipe, device) for i, s in enumerate(source.shard_files)
+            if i not in done]
     report.stage("converting shards", total=sum(p.source.nbytes for j in jobs for p in j.plans))
+    # compressed-tensors (and the transformers it pulls in) is only needed for config.json at the end;
+    # importing it while the workers run takes its seconds off the critical path
+    warm = threading.Thread(target=importlib.import_module, args=("compressed_tensors.quantization",), daemon=True)
+    warm.start()
     _run_jobs(source, jobs, calibration, workers, report)
+    warm.join()
 
     journal = [_read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
@@ -122,6 +140,22 @@ def convert(
         out_path, source.source_bytes, output_bytes, time.perf_counter() - started, actions, len(done),
         list(source.warnings), calibration.summary() if calibration is not None else "",
     )
+
+
+def check_device(device: str) -> str:
+    """A usable torch device string, or a one-line error (`cuda` asked for on a machine without one)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise QuantkitError(f"--device {device!r}: not a torch device (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QuantkitError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise QuantkitError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif dev.type != "cpu":
+        raise QuantkitError(f"--device {device!r}: only cpu and cuda are supported")
+    return str(dev)
 
 
 def _check_paths(src: Path, out: Path, force: bool) -> None:
@@ -163,10 +197,11 @@ def _read_journal(partial: Path, index: int) -> dict[str, Any]:
 
 
 # ---- running the shard jobs ---------------------------------------------------------------------
-_WORKER: dict[str, Any] = {}
+_WORKER: dict[str, Any] = {}  # this worker process's source, calibration result and progress queue
 
 
-def _init_worker(source: SourceCheckpoint, calibration: Any, queue: Any, threads: int) -> None:
+def _init_worker(source: SourceCheckpoint, calibration: CalibrationResult | None, queue: Queue[int],
+                 threads: int) -> None:
     torch.set_num_threads(threads)
     _WORKER.update(source=source, calibration=calibration, queue=queue)
 
@@ -176,7 +211,8 @@ def _worker_job(job: ShardJob) -> dict[str, Any]:
     return convert_shard(_WORKER["source"], job, _WORKER["calibration"], on_bytes=queue.put)
 
 
-def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Any, workers: int, report: Reporter) -> None:
+def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: CalibrationResult | None, workers: int,
+              report: Reporter) -> None:
     if not jobs:
         return
     if workers <= 1 or len(jobs) == 1:
@@ -202,7 +238,7 @@ def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Any, 
             raise
 
 
-def _drain(queue: Any, report: Reporter) -> None:
+def _drain(queue: Queue[int], report: Reporter) -> None:
     from queue import Empty
 
     while True:
@@ -232,7 +268,7 @@ def _write_metadata(
     plans: dict[str, list[TensorPlan]],
     partial: Path,
     weight_map: dict[str, str],
-    calibration: Any,
+    calibration: CalibrationResult | None,
 ) -> int:
     """config.json, index, recipe, carried-over files, reports and quantkit.json; returns output bytes."""
     copied, skipped = carry_over_files(source, partial)

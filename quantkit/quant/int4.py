@@ -24,6 +24,7 @@ __all__ = [
     "QMIN",
     "check_group_size",
     "dequantize_group",
+    "fp8_block_to_float32",
     "group_scales",
     "mse_group_scales",
     "pack_int4",
@@ -130,6 +131,20 @@ def dequantize_group(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> t
     """fp32 weight `q * scale`, group g covering input columns [g*gs, (g+1)*gs)."""
     grouped = q.float().unflatten(-1, (-1, group_size)) * scale.float().unsqueeze(-1)
     return grouped.flatten(-2)
+
+
+def fp8_block_to_float32(raw: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """`fp8 * scale_inv` per `block` (DeepSeek-style FP8-block weights) in fp32, on the tensors' device.
+
+    Exact: every e4m3 value is an fp32 value, and the product is one fp32 rounding, as in the CPU reader.
+    """
+    weight = raw.view(torch.float8_e4m3fn).to(torch.float32)
+    scale_inv = scale_inv.to(weight.device, torch.float32)
+    (bh, bw), (rows, cols) = block, weight.shape
+    if rows % bh == 0 and cols % bw == 0:  # broadcast the block scale, no full-size scale matrix
+        return weight.view(rows // bh, bh, cols // bw, bw).mul_(scale_inv[:, None, :, None]).view(rows, cols)
+    full = scale_inv.repeat_interleave(bh, 0)[:rows].repeat_interleave(bw, 1)[:, :cols]
+    return weight.mul_(full)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
