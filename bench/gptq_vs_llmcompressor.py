@@ -54,7 +54,20 @@ def _peak(log: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------ quality
-def quality(samples: int, seq_len: int, threads: int) -> dict:
+# GPTQ variants evaluated next to the default (recipe `gptq:` overrides); see docs/benchmarks.md
+VARIANTS: dict[str, dict] = {
+    "minmax": {"scale_search": "minmax"},
+    "mse": {"scale_search": "mse"},
+    "damp 0.001": {"dampening_frac": 0.001},
+    "damp 0.1": {"dampening_frac": 0.1},
+    "natural order": {"actorder": None},
+    "routed x3": {"routed_token_weight": 2.0},
+    "mse + routed x3": {"scale_search": "mse", "routed_token_weight": 2.0},
+}
+
+
+def quality(samples: int, seq_len: int, threads: int, variants: list[str] | None = None,
+            archs: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -68,7 +81,7 @@ def quality(samples: int, seq_len: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     results = {}
-    for arch in ARCHS:
+    for arch in archs or ARCHS:
         src = build_tiny(arch)
         root = Path(tempfile.mkdtemp(prefix=f"qk-quality-{arch}-"))
         calib = {"dataset": str(CORPUS), "samples": samples, "seq_len": seq_len, "seed": 0}
@@ -76,16 +89,26 @@ def quality(samples: int, seq_len: int, threads: int) -> dict:
         convert(src, root / "gptq", Recipe(method="gptq", calibration=calib))
         t_gptq = time.perf_counter() - t
         convert(src, root / "rtn", Recipe(method="rtn"))
+        seconds = {}
+        for name in variants or []:
+            t = time.perf_counter()
+            convert(src, root / name, Recipe(method="gptq", calibration=calib, gptq=VARIANTS[name]))
+            seconds[name] = time.perf_counter() - t
         tokens = calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(src), samples, seq_len, 0)
         config = json.loads((src / "config.json").read_text())
         t = time.perf_counter()
         oneshot_gptq(src, root / "oneshot", tokens, ignore_list(config, {Role.ROUTED_EXPERT}))
         t_oneshot = time.perf_counter() - t
-        ev = evaluate_in_subprocess([root / "rtn", root / "gptq", root / "oneshot"], HELDOUT, src, 128, 64, threads)
+        names = ["rtn", "gptq", "oneshot", *(variants or [])]
+        ev = evaluate_in_subprocess([root / n for n in names], HELDOUT, src, 128, 64, threads)
         rows = {"source": ev["reference"]}
-        for name in ("rtn", "gptq", "oneshot"):
+        for name in names:
             rows[name] = ev["models"][str(root / name)]
-        results[arch] = {"eval_tokens": ev["tokens"], "rows": rows, "seconds": {"gptq": t_gptq, "oneshot": t_oneshot}}
+        results[arch] = {"eval_tokens": ev["tokens"], "rows": rows,
+                         "seconds": {"gptq": t_gptq, "oneshot": t_oneshot, **seconds},
+                         "kl_ratio_to_oneshot": {n: rows[n]["kl_mean"] / rows["oneshot"]["kl_mean"]
+                                                 for n in names if n != "oneshot"},
+                         "wall_ratio_to_oneshot": round(t_gptq / t_oneshot, 3)}
         shutil.rmtree(root, ignore_errors=True)
         _print_quality(arch, results[arch])
     return {"samples": samples, "seq_len": seq_len, "threads": threads, "archs": results}
@@ -93,11 +116,13 @@ def quality(samples: int, seq_len: int, threads: int) -> dict:
 
 def _print_quality(arch: str, r: dict) -> None:
     print(f"\n{arch} ({r['eval_tokens']} held-out tokens)")
-    print(f"{'model':<10}{'ppl':>10}{'KL vs src':>12}{'top-1':>9}")
+    print(f"{'model':<18}{'ppl':>10}{'KL vs src':>12}{'KL/oneshot':>11}{'top-1':>9}{'wall s':>8}")
     for name, e in r["rows"].items():
-        kl = f"{e['kl_mean']:.2e}" if "kl_mean" in e else "-"
+        kl = f"{e['kl_mean']:.3e}" if "kl_mean" in e else "-"
+        ratio = f"{r['kl_ratio_to_oneshot'][name]:.3f}" if name in r["kl_ratio_to_oneshot"] else "-"
         top = f"{e['top1_agreement']:.2%}" if "top1_agreement" in e else "-"
-        print(f"{name:<10}{e['perplexity']:>10.4f}{kl:>12}{top:>9}")
+        wall = f"{r['seconds'][name]:.1f}" if name in r["seconds"] else "-"
+        print(f"{name:<18}{e['perplexity']:>10.4f}{kl:>12}{ratio:>11}{top:>9}{wall:>8}")
 
 
 # -------------------------------------------------------------------------------------------- speed
@@ -188,10 +213,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", type=Path, default=None, help="reuse/keep the generated checkpoint here")
     ap.add_argument("--only", action="append", help="run only these (quantkit, 'quantkit calibrate only', ...)")
+    ap.add_argument("--variant", action="append", choices=sorted(VARIANTS),
+                    help="quality: also evaluate this GPTQ variant (repeatable)")
+    ap.add_argument("--arch", action="append", help="quality: only these tiny models (deepseek_v3, glm_moe_dsa)")
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if a.what == "quality":
-        res = quality(a.samples or 32, a.seq_len or 128, a.threads)
+        res = quality(a.samples or 32, a.seq_len or 128, a.threads, a.variant, a.arch)
     else:
         res = speed(a.layers, a.samples or 8, a.seq_len or 256, a.threads, a.keep, a.only)
     name = f"calibration_{a.what}" + ("_" + "_".join(x.replace(" ", "-") for x in a.only) if a.only else "")

@@ -34,6 +34,8 @@ class GPTQSettings(BaseModel):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: int = Field(128, gt=0)
     actorder: Literal["static"] | None = "static"
+    scale_search: Literal["minmax", "mse"] = "minmax"  # group scales inside GPTQ (see docs/calibration.md)
+    routed_token_weight: float = Field(0.0, ge=0)  # extra weight of routed tokens in down_proj Hessians
 
 
 class CalibrationSettings(BaseModel):
