@@ -116,3 +116,24 @@ def test_device_option_refuses_unavailable_cuda(cli, ckpt_factory, tmp_path):
         code, _, err = cli("convert", str(src), str(tmp_path / "o"), "--device", "cuda", "--quiet")
         assert code == 2 and "CUDA is not available" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_quantization_config_is_compressed_tensors_serialization(group_size, kv_cache):
+    """The literal config block equals what compressed-tensors' own models serialize (and parses back)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    from quantkit.checkpoint.qconfig import FP8_KV_CACHE_SCHEME, build_quantization_config
+
+    ignore = ["lm_head", "re:.*self_attn.*"]
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
+                               dynamic=False, actorder=None, observer="minmax")
+    reference = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed", ignore=ignore,
+        kv_cache_scheme=QuantizationArgs(**FP8_KV_CACHE_SCHEME) if kv_cache else None,
+    ).model_dump(mode="json")
+    ours = build_quantization_config(group_size, ignore, kv_cache=kv_cache)
+    assert ours == reference
+    assert QuantizationConfig.model_validate(ours).model_dump(mode="json") == reference

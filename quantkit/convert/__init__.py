@@ -12,17 +12,18 @@ shards (and calibration layers) already finished and produces the same bytes.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
 import threading
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.queues import Queue
 from pathlib import Path
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -120,12 +121,7 @@ def convert(
     jobs = [ShardJob(i, s, plans[s], partial, recipe, device) for i, s in enumerate(source.shard_files)
             if i not in done]
     report.stage("converting shards", total=sum(p.source.nbytes for j in jobs for p in j.plans))
-    # compressed-tensors (and the transformers it pulls in) is only needed for config.json at the end;
-    # importing it while the workers run takes its seconds off the critical path
-    warm = threading.Thread(target=importlib.import_module, args=("compressed_tensors.quantization",), daemon=True)
-    warm.start()
     _run_jobs(source, jobs, calibration, workers, report)
-    warm.join()
 
     journal = [_read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
@@ -213,32 +209,68 @@ def _worker_job(job: ShardJob) -> dict[str, Any]:
 
 def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: CalibrationResult | None, workers: int,
               report: Reporter) -> None:
+    """Convert the shards with `workers` converters: this process (in a thread: the fused kernels and the
+    file I/O release the GIL) plus `workers - 1` spawned processes, one interpreter fewer to start and to
+    hold in memory. Shards are handed out one at a time to whichever converter is free."""
     if not jobs:
         return
     if workers <= 1 or len(jobs) == 1:
         for job in jobs:
             convert_shard(source, job, calibration, on_bytes=report.advance)
         return
+    todo, lock = deque(jobs), threading.Lock()
+
+    def take() -> ShardJob | None:
+        with lock:
+            return todo.popleft() if todo else None
+
+    local: SimpleQueue[int] = SimpleQueue()  # progress of the in-process converter
+    failure: list[BaseException] = []
+
+    def convert_here() -> None:
+        try:
+            while (job := take()) is not None:
+                convert_shard(source, job, calibration, on_bytes=local.put)
+        except BaseException as exc:  # re-raised by the main thread
+            failure.append(exc)
+
+    procs = min(workers - 1, len(jobs) - 1)
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
     queue = ctx.Queue()  # progress in bytes, tensor by tensor
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
+    with ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker,
                              initargs=(source, calibration, queue, threads)) as pool:
-        pending: set[Future[dict[str, Any]]] = {pool.submit(_worker_job, job) for job in jobs}
+        here = threading.Thread(target=convert_here, name="quantkit-convert", daemon=True)
+        here.start()
+        pending: set[Future[dict[str, Any]]] = set()
         try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            while True:
+                while len(pending) < procs and (job := take()) is not None:
+                    pending.add(pool.submit(_worker_job, job))
+                if not pending and not here.is_alive():
+                    break
+                if pending:
+                    finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                else:
+                    finished = set()
+                    here.join(0.2)
                 _drain(queue, report)
+                _drain(local, report)
                 for future in finished:
                     future.result()  # re-raise a worker's QuantkitError here
+                if failure:
+                    raise failure[0]
             _drain(queue, report)
+            _drain(local, report)
         except BaseException:
+            with lock:
+                todo.clear()  # the in-process converter stops after its current shard
             for future in pending:
                 future.cancel()
             raise
 
 
-def _drain(queue: Queue[int], report: Reporter) -> None:
+def _drain(queue: Queue[int] | SimpleQueue[int], report: Reporter) -> None:
     from queue import Empty
 
     while True:

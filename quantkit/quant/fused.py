@@ -73,29 +73,33 @@ def _group_absmax(row: np.ndarray, groups: int, gs: int, out: np.ndarray) -> Non
 
 @njit(cache=True, nogil=True)
 def _quantize_row(row: np.ndarray, groups: int, gs: int, eps: np.float32,
-                  packed_row: np.ndarray, scale_row: np.ndarray, qbuf: np.ndarray) -> None:
-    """RTN of one BF16-valued (finite) fp32 row into packed nibbles and BF16 scale bits."""
-    qbits = qbuf.view(np.uint32)
+                  packed_row: np.ndarray, scale_row: np.ndarray, work: np.ndarray) -> None:
+    """RTN of one BF16-valued (finite) fp32 row into packed nibbles and BF16 scale bits.
+
+    Row-wide stages (scales, quotients, BF16 rounding, round/clamp, packing) so that each loop vectorises.
+    `work` is scratch: `cols` quotients then `groups` scales.
+    """
+    cols = row.shape[0]
+    quot, scale = work[:cols], work[cols:cols + groups]
+    _group_absmax(row, groups, gs, scale)
     half_range = np.float32(7.5)
-    amax = qbuf[gs:]
-    _group_absmax(row, groups, gs, amax)
     for g in range(groups):
-        base = g * gs
-        qbuf[0] = amax[g] / half_range
-        _round_bf16_inplace(qbits, 1)
-        s = qbuf[0]
-        if s == 0:
-            s = eps
-            qbuf[0] = s
-        scale_row[g] = np.uint16(qbits[0] >> np.uint32(16))
-        for j in range(gs):
-            qbuf[j] = row[base + j] / s
-        _round_bf16_inplace(qbits, gs)
-        for j in range(gs):
-            qbuf[j] = min(max(np.rint(qbuf[j]), np.float32(-8.0)), np.float32(7.0)) + np.float32(8.0)
-        out = base // 2
-        for j in range(gs // 2):
-            packed_row[out + j] = np.uint8(qbuf[2 * j]) | (np.uint8(qbuf[2 * j + 1]) << np.uint8(4))
+        scale[g] = scale[g] / half_range
+    sbits = scale.view(np.uint32)
+    _round_bf16_inplace(sbits, groups)
+    for g in range(groups):
+        if scale[g] == 0:
+            scale[g] = eps
+        scale_row[g] = np.uint16(sbits[g] >> np.uint32(16))
+    for g in range(groups):
+        s = scale[g]
+        for j in range(g * gs, (g + 1) * gs):
+            quot[j] = row[j] / s
+    _round_bf16_inplace(quot.view(np.uint32), cols)
+    for c in range(cols):
+        quot[c] = min(max(np.rint(quot[c]), np.float32(-8.0)), np.float32(7.0)) + np.float32(8.0)
+    for k in range(cols // 2):
+        packed_row[k] = np.uint8(quot[2 * k]) | (np.uint8(quot[2 * k + 1]) << np.uint8(4))
 
 
 @njit(cache=True, nogil=True)
@@ -104,14 +108,14 @@ def _rtn_fp8_kernel(raw: np.ndarray, scale_inv: np.ndarray, bh: int, bw: int, gs
     rows, cols = raw.shape
     row = np.empty(cols, dtype=np.float32)
     rbits = row.view(np.uint32)
-    qbuf = np.empty(gs + cols // gs, dtype=np.float32)
+    work = np.empty(cols + cols // gs, dtype=np.float32)
     bad = 0
     for r in range(rows):
         _decode_fp8_row(raw[r], scale_inv[r // bh], bw, table, row)
         bad += _count_nonfinite32(rbits, cols)
         _round_bf16_inplace(rbits, cols)
         bad += _count_nonfinite32(rbits, cols)  # values that overflow BF16 count too
-        _quantize_row(row, cols // gs, gs, eps, packed[r], scales[r], qbuf)
+        _quantize_row(row, cols // gs, gs, eps, packed[r], scales[r], work)
     return bad
 
 
@@ -120,13 +124,13 @@ def _rtn_bf16_kernel(bits16: np.ndarray, gs: int, eps: np.float32, packed: np.nd
     rows, cols = bits16.shape
     row = np.empty(cols, dtype=np.float32)
     rbits = row.view(np.uint32)
-    qbuf = np.empty(gs + cols // gs, dtype=np.float32)
+    work = np.empty(cols + cols // gs, dtype=np.float32)
     bad = 0
     for r in range(rows):
         for c in range(cols):
             rbits[c] = np.uint32(bits16[r, c]) << np.uint32(16)
         bad += _count_nonfinite32(rbits, cols)
-        _quantize_row(row, cols // gs, gs, eps, packed[r], scales[r], qbuf)
+        _quantize_row(row, cols // gs, gs, eps, packed[r], scales[r], work)
     return bad
 
 
