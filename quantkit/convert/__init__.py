@@ -17,11 +17,8 @@ import os
 import shutil
 import threading
 import time
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from multiprocessing import get_context
-from multiprocessing.queues import Queue
 from pathlib import Path
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, Protocol
@@ -193,84 +190,41 @@ def _read_journal(partial: Path, index: int) -> dict[str, Any]:
 
 
 # ---- running the shard jobs ---------------------------------------------------------------------
-_WORKER: dict[str, Any] = {}  # this worker process's source, calibration result and progress queue
-
-
-def _init_worker(source: SourceCheckpoint, calibration: CalibrationResult | None, queue: Queue[int],
-                 threads: int) -> None:
-    torch.set_num_threads(threads)
-    _WORKER.update(source=source, calibration=calibration, queue=queue)
-
-
-def _worker_job(job: ShardJob) -> dict[str, Any]:
-    queue = _WORKER["queue"]
-    return convert_shard(_WORKER["source"], job, _WORKER["calibration"], on_bytes=queue.put)
-
-
 def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: CalibrationResult | None, workers: int,
               report: Reporter) -> None:
-    """Convert the shards with `workers` converters: this process (in a thread: the fused kernels and the
-    file I/O release the GIL) plus `workers - 1` spawned processes, one interpreter fewer to start and to
-    hold in memory. Shards are handed out one at a time to whichever converter is free."""
+    """Convert the shards with `workers` threads of this process, one shard each at a time.
+
+    Threads, not processes: the fused kernels, torch's ops and the file I/O all release the GIL, so the
+    shards convert in parallel without starting (and holding in memory) one interpreter per worker.
+    On an error or Ctrl-C the other threads stop at their next tensor; their unfinished parts are
+    discarded and redone on resume.
+    """
     if not jobs:
         return
     if workers <= 1 or len(jobs) == 1:
         for job in jobs:
             convert_shard(source, job, calibration, on_bytes=report.advance)
         return
-    todo, lock = deque(jobs), threading.Lock()
-
-    def take() -> ShardJob | None:
-        with lock:
-            return todo.popleft() if todo else None
-
-    local: SimpleQueue[int] = SimpleQueue()  # progress of the in-process converter
-    failure: list[BaseException] = []
-
-    def convert_here() -> None:
-        try:
-            while (job := take()) is not None:
-                convert_shard(source, job, calibration, on_bytes=local.put)
-        except BaseException as exc:  # re-raised by the main thread
-            failure.append(exc)
-
-    procs = min(workers - 1, len(jobs) - 1)
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    ctx = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
-    queue = ctx.Queue()  # progress in bytes, tensor by tensor
-    with ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker,
-                             initargs=(source, calibration, queue, threads)) as pool:
-        here = threading.Thread(target=convert_here, name="quantkit-convert", daemon=True)
-        here.start()
-        pending: set[Future[dict[str, Any]]] = set()
-        try:
-            while True:
-                while len(pending) < procs and (job := take()) is not None:
-                    pending.add(pool.submit(_worker_job, job))
-                if not pending and not here.is_alive():
-                    break
-                if pending:
-                    finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                else:
-                    finished = set()
-                    here.join(0.2)
-                _drain(queue, report)
-                _drain(local, report)
-                for future in finished:
-                    future.result()  # re-raise a worker's QuantkitError here
-                if failure:
-                    raise failure[0]
-            _drain(queue, report)
-            _drain(local, report)
-        except BaseException:
-            with lock:
-                todo.clear()  # the in-process converter stops after its current shard
-            for future in pending:
-                future.cancel()
-            raise
+    progress: SimpleQueue[int] = SimpleQueue()  # bytes done, tensor by tensor; drained by this thread
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="quantkit-convert")
+    pending: set[Future[dict[str, Any]]] = {
+        pool.submit(convert_shard, source, job, calibration, progress.put, stop.is_set) for job in jobs}
+    try:
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(progress, report)
+            for future in finished:
+                future.result()  # re-raise a worker's QuantkitError here
+        _drain(progress, report)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _drain(queue: Queue[int] | SimpleQueue[int], report: Reporter) -> None:
+def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
     from queue import Empty
 
     while True:

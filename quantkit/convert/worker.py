@@ -1,4 +1,4 @@
-"""Converting one source shard into one or more output part files (runs in a worker process).
+"""Converting one source shard into one or more output part files (runs in a worker thread).
 
 Memory: the output header is planned, so each tensor is read, transformed and written before the next
 is read. Peak memory per worker is one logical tensor in fp32 plus its outputs, whatever the shard size.
@@ -38,7 +38,7 @@ from quantkit.recipe import Recipe
 if TYPE_CHECKING:  # workers never import the calibration stack (it pulls in transformers)
     from quantkit.calibrate.result import CalibrationResult
 
-__all__ = ["ShardJob", "convert_shard", "journal_path", "part_name", "quantize_rtn_tensor"]
+__all__ = ["ShardCancelled", "ShardJob", "convert_shard", "journal_path", "part_name", "quantize_rtn_tensor"]
 
 
 @dataclass
@@ -66,11 +66,16 @@ def convert_shard(
     job: ShardJob,
     calibration: CalibrationResult | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
-    """Write the shard's part files, then its journal entry (the resume marker); return the entry."""
+    """Write the shard's part files, then its journal entry (the resume marker); return the entry.
+
+    `cancelled()` is polled before each tensor: when it turns true the shard stops, its unfinished part
+    is removed and `ShardCancelled` is raised (nothing is journaled, so a resume redoes the shard).
+    """
     planned = [t for plan in job.plans for t in plan.outputs]
     parts = split_parts(planned, job.recipe.max_shard_bytes)
-    produced = _produce(source, job, calibration, on_bytes)
+    produced = _produce(source, job, calibration, on_bytes, cancelled)
     written = []
     for k, part in enumerate(parts):
         writer = StreamingShardWriter(job.work_dir / "parts" / part_name(job.index, k), part)
@@ -86,13 +91,19 @@ def convert_shard(
     return entry
 
 
+class ShardCancelled(Exception):
+    """Another worker failed or the run was interrupted: this shard stopped unfinished."""
+
+
 def _produce(
     source: SourceCheckpoint, job: ShardJob, calibration: CalibrationResult | None,
-    on_bytes: Callable[[int], None] | None,
+    on_bytes: Callable[[int], None] | None, cancelled: Callable[[], bool] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors in planned order, one logical tensor at a time."""
     device = torch.device(job.device)
     for plan in job.plans:
+        if cancelled is not None and cancelled():
+            raise ShardCancelled(job.shard)
         yield from _transform(source, plan, job.recipe, calibration, device)
         if on_bytes:
             on_bytes(plan.source.nbytes)
