@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -56,12 +57,14 @@ def _peak(log: str) -> float:
 # ------------------------------------------------------------------------------------------ quality
 # GPTQ variants evaluated next to the default (recipe `gptq:` overrides); see docs/benchmarks.md
 VARIANTS: dict[str, dict] = {
-    "minmax": {"scale_search": "minmax"},
-    "mse": {"scale_search": "mse"},
-    "damp 0.001": {"dampening_frac": 0.001},
-    "damp 0.1": {"dampening_frac": 0.1},
-    "natural order": {"actorder": None},
+    "mse": {"scale_search": "mse", "routed_token_weight": 0.0},
+    "damp 0.001": {"dampening_frac": 0.001, "routed_token_weight": 0.0},
+    "damp 0.1": {"dampening_frac": 0.1, "routed_token_weight": 0.0},
+    "natural order": {"actorder": None, "routed_token_weight": 0.0},
+    "unweighted": {"routed_token_weight": 0.0},
     "routed x3": {"routed_token_weight": 2.0},
+    "routed x10": {"routed_token_weight": 9.0},
+    "routed x3 + gate-up": {"routed_token_weight": 2.0, "routed_weight_gate_up": True},
     "mse + routed x3": {"scale_search": "mse", "routed_token_weight": 2.0},
 }
 
@@ -182,21 +185,36 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
         f"cfg = json.load(open({str(src / 'config.json')!r}))\n"
         f"oneshot_gptq({str(src)!r}, {str(root / 'oneshot')!r}, tokens, ignore_list(cfg, {{Role.ROUTED_EXPERT}}))\n"
     )
+    # the runtime baseline: the same interpreter, imports, tokenizer and tokens, no model work
+    baseline = common + (
+        "import numba, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
+        "from quantkit.convert import convert\nfrom quantkit.calibrate.runner import calibrate\n"
+    )
     res = {}
-    runs = (("quantkit", ours), ("quantkit calibrate only", calib_only), ("llm-compressor", theirs))
+    runs = (("baseline", baseline), ("quantkit", ours), ("quantkit calibrate only", calib_only),
+            ("llm-compressor", theirs))
     for name, code in runs if not only else [r for r in runs if r[0] in only]:
         shutil.rmtree(root / ("ours" if name == "quantkit" else "oneshot"), ignore_errors=True)
         r = _timed(_rss_wrapper(code), threads)
         res[name] = {"wall_s": r["wall_s"], "peak_rss_gib": _peak(r["log"])}
         (RESULTS / f"speed_{name.replace(' ', '_')}.log").write_text(r["log"])
         print(f"{name:<15} wall {r['wall_s']:8.1f} s   peak RSS {res[name]['peak_rss_gib']:6.2f} GiB", flush=True)
-    hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
-    layer_params = experts * 3 * hidden * inter + (inter * 3 * hidden)  # routed + shared experts (attention small)
-    acts = samples * seq_len * hidden * 4 * 2
+    from quantkit.checkpoint.source import open_source
+
+    hidden = config["hidden_size"]
+    layer_params = sum(math.prod(t.shape) for n, t in open_source(src).logical.items()
+                       if n.startswith("model.layers.1."))  # every tensor of one decoder layer
+    acts = samples * seq_len * hidden * 4 * 2  # fp32 inputs + outputs of the calibration set
+    budget = layer_params * 2 + acts  # one layer in bf16 + activations
     out = {
         "checkpoint_gb": size / 1e9, "layers": layers, "samples": samples, "seq_len": seq_len, "threads": threads,
+        "one_layer_params": layer_params, "one_layer_bf16_gib": layer_params * 2 / 2**30,
         "one_layer_fp32_gib": layer_params * 4 / 2**30, "activations_in_out_gib": acts / 2**30, **res,
     }
+    if "baseline" in res and "quantkit" in res:
+        above = (res["quantkit"]["peak_rss_gib"] - res["baseline"]["peak_rss_gib"]) * 2**30
+        out["above_baseline_gib"] = above / 2**30
+        out["above_baseline_over_layer_bf16_plus_acts"] = above / budget
     if "quantkit" in res and "llm-compressor" in res:
         out["wall_ratio"] = res["quantkit"]["wall_s"] / res["llm-compressor"]["wall_s"]
     if keep is None:

@@ -106,3 +106,23 @@ def test_down_hessians_from_kept_inputs_equal_accumulated(layer):
     b = [acc.down_hessian(e) for e in range(len(acc.experts))]
     for (ha, na), (hb, nb) in zip(a, b, strict=True):
         assert na == nb == 128 and torch.allclose(ha, hb, rtol=1e-4, atol=1e-6)
+
+
+def test_routed_token_weighting_weights_routed_tokens(layer):
+    """With kept inputs, expert e's Hessians count its routed tokens 1 + w times (weights of mean 1)."""
+    source, cfg, _ = layer
+    moe = _collect(L.build_layer(source, cfg, 1, source.adapter.prefix), cfg, keep_inputs=True)
+    x = torch.cat(moe.inputs)
+    routed = torch.cat(moe.routes)
+    e = int(routed[0, 0])
+    mask = (routed == e).any(dim=-1)
+    assert 0 < int(mask.sum()) < len(mask)
+    weight = 1 + 4.0 * mask.float()
+    weight = weight / weight.mean()
+    expected = (x * weight[:, None]).t() @ x / len(x)
+    h, count = moe.in_hessian(e, 4.0)
+    assert count == len(x) and torch.allclose(h, expected, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(h, moe.in_hessian(e)[0], rtol=1e-3)
+    hd, _ = moe.down_hessian(e, 4.0)
+    a = moe._inner(e, x)
+    assert torch.allclose(hd, (a * weight[:, None]).t() @ a / len(x), rtol=1e-4, atol=1e-6)

@@ -124,15 +124,18 @@ class ExpertMoE(nn.Module):
             return self.h_down[e].hessian(), self.h_down[e].count
         acc = HessianAccumulator(self.experts[e]["down_proj"].shape[1], self.inputs[0].device)
         for x, index in zip(self.inputs, self.routes, strict=True):
-            weight = None
-            if routed_weight:
-                weight = 1.0 + routed_weight * (index == e).any(dim=-1).to(torch.float32)
-                weight = weight * (weight.numel() / float(weight.sum()))  # keep the Hessian's scale
-            acc.add(self._inner(e, x), weight)
+            acc.add(self._inner(e, x), _token_weights(index, e, routed_weight))
         return acc.hessian(), acc.count
 
-    def in_hessian(self, e: int) -> tuple[torch.Tensor, int]:
-        acc = self.h_in if self.h_in is not None else self.h_in_expert[e]
+    def in_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
+        """gate/up input Hessian of expert `e` (shared by all experts unless `routed_weight` > 0 with kept
+        inputs: then expert `e`'s routed tokens count 1 + w times)."""
+        if routed_weight and self.inputs is not None:
+            acc = HessianAccumulator(self.inputs[0].shape[-1], self.inputs[0].device)
+            for x, index in zip(self.inputs, self.routes, strict=True):
+                acc.add(x, _token_weights(index, e, routed_weight))
+        else:
+            acc = self.h_in if self.h_in is not None else self.h_in_expert[e]
         return acc.hessian(), acc.count
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -172,6 +175,14 @@ class ExpertMoE(nn.Module):
         return out
 
 
+def _token_weights(index: torch.Tensor, e: int, routed_weight: float) -> torch.Tensor | None:
+    """Per-token weights `1 + w * [routed to e]`, normalised to mean 1 (the Hessian keeps its scale)."""
+    if not routed_weight:
+        return None
+    weight = 1.0 + routed_weight * (index == e).any(dim=-1).to(torch.float32)
+    return weight * (weight.numel() / float(weight.sum()))
+
+
 def _read(source: SourceCheckpoint, base: str, module: nn.Module) -> dict[str, torch.Tensor]:
     """A submodule's state dict read from the source (names `base` + local name)."""
     names = set(source.logical_names())
@@ -203,6 +214,14 @@ def quantize_experts(
     def finish(e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor) -> None:
         _finish(moe, e, proj, q, s, factor, h, group_size, scale_dtype, records[e], packed, module_base)
 
+    def _finish_gate_up(e: int, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor,
+                        count: int) -> None:
+        """q, s: expert e's gate rows then its up rows."""
+        inter = q.shape[0] // 2
+        records[e]["samples"]["gate_up"] = count
+        finish(e, "gate_proj", q[:inter], s[:inter], factor, h)
+        finish(e, "up_proj", q[inter:], s[inter:], factor, h)
+
     for chunk in _chunks(n, moe.experts[0]["down_proj"].shape[0]):
         hessians = [moe.down_hessian(e, settings.routed_token_weight) for e in chunk]
         for e, (_, count) in zip(chunk, hessians, strict=True):
@@ -214,19 +233,26 @@ def quantize_experts(
             finish(e, "down_proj", q, s, factor, h)
 
     inter = moe.experts[0]["gate_proj"].shape[0]
-    shared = moe.h_in is not None  # one gate/up Hessian for all experts
-    shared_factor = prepare(moe.h_in.hessian(), damp, actorder) if shared else None
-    for chunk in _chunks(n, 2 * inter) if shared else [[e] for e in range(n)]:
-        h, count = moe.in_hessian(chunk[0])
-        factor = shared_factor if shared_factor is not None else prepare(h, damp, actorder)
-        rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")])
-        q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
-        del rows
-        for i, e in enumerate(chunk):
-            records[e]["samples"]["gate_up"] = count
-            for j, proj in enumerate(("gate_proj", "up_proj")):
-                sl = slice((2 * i + j) * inter, (2 * i + j + 1) * inter)
-                finish(e, proj, q[sl], s[sl], factor, h)
+    weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
+    if moe.h_in is not None and not weighted:  # one gate/up Hessian and factor for all experts
+        h, count = moe.in_hessian(0)
+        factor = prepare(h, damp, actorder)
+        for chunk in _chunks(n, 2 * inter):
+            rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")])
+            q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
+            del rows
+            for i, e in enumerate(chunk):
+                _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
+                                factor, h, count)
+    else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
+        for chunk in _chunks(n, 2 * inter):
+            hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
+            factors = [prepare(h, damp, actorder) for h, _ in hessians]
+            rows = [torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]]) for e in chunk]
+            results = quantize_many(rows, factors, group_size, block, scale_dtype, settings.scale_search)
+            del rows
+            for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
+                _finish_gate_up(e, q, s, factor, h, count)
     return packed, records
 
 
