@@ -36,24 +36,30 @@ DAMP_RETRIES = 2  # damping tried: d, 10 d, 100 d
 
 
 class HessianAccumulator:
-    """Running `sum x x^T` over input rows (fp32) and the number of rows seen."""
+    """Running `sum w x x^T` over input rows (fp32), the number of rows seen and their total weight."""
 
     def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
         self.sum = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.count = 0
+        self.weight = 0.0
 
     def add(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         """Add input rows `x [..., columns]`; `weight` (per row) scales each row's contribution."""
         x = x.reshape(-1, x.shape[-1]).to(self.sum.device, torch.float32)
         if x.shape[0] == 0:
             return
-        xt = x.t() if weight is None else (x * weight.reshape(-1, 1).to(x)).t()
+        if weight is None:
+            xt, total = x.t(), float(x.shape[0])
+        else:
+            weight = weight.reshape(-1, 1).to(x)
+            xt, total = (x * weight).t(), float(weight.sum())
         self.sum.addmm_(xt, x)
         self.count += x.shape[0]
+        self.weight += total
 
     def hessian(self) -> torch.Tensor:
-        """`X^T X / n` (zeros when nothing was seen)."""
-        return self.sum / max(self.count, 1)
+        """`X^T W X / sum(W)` (`X^T X / n` unweighted; zeros when nothing was seen)."""
+        return self.sum / (self.weight if self.weight > 0 else 1.0)
 
 
 @dataclass

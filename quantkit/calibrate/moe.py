@@ -176,11 +176,10 @@ class ExpertMoE(nn.Module):
 
 
 def _token_weights(index: torch.Tensor, e: int, routed_weight: float) -> torch.Tensor | None:
-    """Per-token weights `1 + w * [routed to e]`, normalised to mean 1 (the Hessian keeps its scale)."""
+    """Per-token weights `1 + w * [routed to e]` (the accumulator divides by their sum: same scale)."""
     if not routed_weight:
         return None
-    weight = 1.0 + routed_weight * (index == e).any(dim=-1).to(torch.float32)
-    return weight * (weight.numel() / float(weight.sum()))
+    return 1.0 + routed_weight * (index == e).any(dim=-1).to(torch.float32)
 
 
 def _read(source: SourceCheckpoint, base: str, module: nn.Module) -> dict[str, torch.Tensor]:
