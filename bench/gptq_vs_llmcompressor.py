@@ -57,10 +57,10 @@ def _peak(log: str, key: str = "PEAK_RSS_KIB") -> float:
 # ------------------------------------------------------------------------------------------ quality
 # GPTQ variants evaluated next to the default (recipe `gptq:` overrides); see docs/benchmarks.md
 VARIANTS: dict[str, dict] = {
-    "mse": {"scale_search": "mse", "routed_token_weight": 0.0},
-    "damp 0.001": {"dampening_frac": 0.001, "routed_token_weight": 0.0},
-    "damp 0.1": {"dampening_frac": 0.1, "routed_token_weight": 0.0},
-    "natural order": {"actorder": None, "routed_token_weight": 0.0},
+    "mse": {"scale_search": "mse"},
+    "damp 0.001": {"dampening_frac": 0.001},
+    "damp 0.1": {"dampening_frac": 0.1},
+    "natural order": {"actorder": None},
     "unweighted": {"routed_token_weight": 0.0},
     "routed x3": {"routed_token_weight": 2.0},
     "routed x10": {"routed_token_weight": 9.0},

@@ -35,7 +35,7 @@ class GPTQSettings(BaseModel):
     block_size: int = Field(128, gt=0)
     actorder: Literal["static"] | None = "static"
     scale_search: Literal["minmax", "mse"] = "minmax"  # group scales inside GPTQ (see docs/calibration.md)
-    routed_token_weight: float = Field(2.0, ge=0)  # routed tokens count 1 + w times in down_proj Hessians
+    routed_token_weight: float = Field(0.0, ge=0)  # routed tokens count 1 + w times in down_proj Hessians
     routed_weight_gate_up: bool = False  # ... and in per-expert gate/up Hessians (one factorisation per expert)
 
 
