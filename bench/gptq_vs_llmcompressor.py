@@ -180,6 +180,20 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
         f"convert({str(src)!r}, {str(root / 'ours')!r}, r, force=True)\n"
         "print('HWM_RSS_KIB', status('VmHWM:'))\n"
     )
+    # GPTQ alone on the pre-tokenized windows (the tokenizer's transient memory outside the measurement)
+    gptq_only = common + (
+        "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
+        "from quantkit.calibrate.runner import RunOptions, run\nfrom quantkit.recipe import Recipe\n"
+        "import gc, numba, shutil, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
+        f"r = Recipe(method='gptq', calibration={{'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
+        f"shutil.rmtree({str(root / 'gptq')!r}, ignore_errors=True)\n"
+        f"source = open_source({str(src)!r})\n"
+        "gc.collect(); open('/proc/self/clear_refs', 'w').write('5')\n"
+        "status = lambda key: int([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith(key)][0])\n"
+        "print('BASE_RSS_KIB', status('VmRSS:'))\n"
+        f"res = run(source, r, Path({str(root / 'gptq')!r}), print, RunOptions(tokens=tokens, threads={threads}))\n"
+        "print('HWM_RSS_KIB', status('VmHWM:'))\nprint(res.summary())\n"
+    )
     calib_only = common + (
         "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
         "from quantkit.calibrate.runner import calibrate\nfrom quantkit.recipe import Recipe\n"
@@ -199,8 +213,8 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
         "from quantkit.convert import convert\nfrom quantkit.calibrate.runner import calibrate\n"
     )
     res = {}
-    runs = (("baseline", baseline), ("quantkit", ours), ("quantkit calibrate only", calib_only),
-            ("llm-compressor", theirs))
+    runs = (("baseline", baseline), ("quantkit", ours), ("quantkit gptq only", gptq_only),
+            ("quantkit calibrate only", calib_only), ("llm-compressor", theirs))
     for name, code in runs if not only else [r for r in runs if r[0] in only]:
         shutil.rmtree(root / ("ours" if name == "quantkit" else "oneshot"), ignore_errors=True)
         r = _timed(_rss_wrapper(code), threads)
@@ -222,11 +236,11 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
         "one_layer_params": layer_params, "one_layer_bf16_gib": layer_params * 2 / 2**30,
         "one_layer_fp32_gib": layer_params * 4 / 2**30, "activations_in_out_gib": acts / 2**30, **res,
     }
-    if "quantkit" in res and "baseline_rss_gib" in res["quantkit"]:
-        q = res["quantkit"]
-        above = (q["peak_after_baseline_gib"] - q["baseline_rss_gib"]) * 2**30
-        out["above_baseline_gib"] = above / 2**30
-        out["above_baseline_over_layer_bf16_plus_acts"] = above / budget
+    for r in res.values():
+        if "baseline_rss_gib" in r:
+            above = (r["peak_after_baseline_gib"] - r["baseline_rss_gib"]) * 2**30
+            r["above_baseline_gib"] = above / 2**30
+            r["above_baseline_over_layer_bf16_plus_acts"] = above / budget
     if "quantkit" in res and "llm-compressor" in res:
         out["wall_ratio"] = res["quantkit"]["wall_s"] / res["llm-compressor"]["wall_s"]
     if keep is None:
