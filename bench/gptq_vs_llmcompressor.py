@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -46,15 +47,30 @@ def _rss_wrapper(code: str) -> list[str]:
     return [PY, "-c", code + tail]
 
 
-def _peak(log: str) -> float:
+def _peak(log: str, key: str = "PEAK_RSS_KIB") -> float:
     for line in reversed(log.splitlines()):
-        if line.startswith("PEAK_RSS_KIB"):
+        if line.startswith(key):
             return int(line.split()[1]) / 2**20
     return float("nan")
 
 
 # ------------------------------------------------------------------------------------------ quality
-def quality(samples: int, seq_len: int, threads: int) -> dict:
+# GPTQ variants evaluated next to the default (recipe `gptq:` overrides); see docs/benchmarks.md
+VARIANTS: dict[str, dict] = {
+    "mse": {"scale_search": "mse"},
+    "damp 0.001": {"dampening_frac": 0.001},
+    "damp 0.1": {"dampening_frac": 0.1},
+    "natural order": {"actorder": None},
+    "unweighted": {"routed_token_weight": 0.0},
+    "routed x3": {"routed_token_weight": 2.0},
+    "routed x10": {"routed_token_weight": 9.0},
+    "routed x3 + gate-up": {"routed_token_weight": 2.0, "routed_weight_gate_up": True},
+    "mse + routed x3": {"scale_search": "mse", "routed_token_weight": 2.0},
+}
+
+
+def quality(samples: int, seq_len: int, threads: int, variants: list[str] | None = None,
+            archs: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -68,7 +84,7 @@ def quality(samples: int, seq_len: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     results = {}
-    for arch in ARCHS:
+    for arch in archs or ARCHS:
         src = build_tiny(arch)
         root = Path(tempfile.mkdtemp(prefix=f"qk-quality-{arch}-"))
         calib = {"dataset": str(CORPUS), "samples": samples, "seq_len": seq_len, "seed": 0}
@@ -76,16 +92,26 @@ def quality(samples: int, seq_len: int, threads: int) -> dict:
         convert(src, root / "gptq", Recipe(method="gptq", calibration=calib))
         t_gptq = time.perf_counter() - t
         convert(src, root / "rtn", Recipe(method="rtn"))
+        seconds = {}
+        for name in variants or []:
+            t = time.perf_counter()
+            convert(src, root / name, Recipe(method="gptq", calibration=calib, gptq=VARIANTS[name]))
+            seconds[name] = time.perf_counter() - t
         tokens = calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(src), samples, seq_len, 0)
         config = json.loads((src / "config.json").read_text())
         t = time.perf_counter()
         oneshot_gptq(src, root / "oneshot", tokens, ignore_list(config, {Role.ROUTED_EXPERT}))
         t_oneshot = time.perf_counter() - t
-        ev = evaluate_in_subprocess([root / "rtn", root / "gptq", root / "oneshot"], HELDOUT, src, 128, 64, threads)
+        names = ["rtn", "gptq", "oneshot", *(variants or [])]
+        ev = evaluate_in_subprocess([root / n for n in names], HELDOUT, src, 128, 64, threads)
         rows = {"source": ev["reference"]}
-        for name in ("rtn", "gptq", "oneshot"):
+        for name in names:
             rows[name] = ev["models"][str(root / name)]
-        results[arch] = {"eval_tokens": ev["tokens"], "rows": rows, "seconds": {"gptq": t_gptq, "oneshot": t_oneshot}}
+        results[arch] = {"eval_tokens": ev["tokens"], "rows": rows,
+                         "seconds": {"gptq": t_gptq, "oneshot": t_oneshot, **seconds},
+                         "kl_ratio_to_oneshot": {n: rows[n]["kl_mean"] / rows["oneshot"]["kl_mean"]
+                                                 for n in names if n != "oneshot"},
+                         "wall_ratio_to_oneshot": round(t_gptq / t_oneshot, 3)}
         shutil.rmtree(root, ignore_errors=True)
         _print_quality(arch, results[arch])
     return {"samples": samples, "seq_len": seq_len, "threads": threads, "archs": results}
@@ -93,11 +119,13 @@ def quality(samples: int, seq_len: int, threads: int) -> dict:
 
 def _print_quality(arch: str, r: dict) -> None:
     print(f"\n{arch} ({r['eval_tokens']} held-out tokens)")
-    print(f"{'model':<10}{'ppl':>10}{'KL vs src':>12}{'top-1':>9}")
+    print(f"{'model':<18}{'ppl':>10}{'KL vs src':>12}{'KL/oneshot':>11}{'top-1':>9}{'wall s':>8}")
     for name, e in r["rows"].items():
-        kl = f"{e['kl_mean']:.2e}" if "kl_mean" in e else "-"
+        kl = f"{e['kl_mean']:.3e}" if "kl_mean" in e else "-"
+        ratio = f"{r['kl_ratio_to_oneshot'][name]:.3f}" if name in r["kl_ratio_to_oneshot"] else "-"
         top = f"{e['top1_agreement']:.2%}" if "top1_agreement" in e else "-"
-        print(f"{name:<10}{e['perplexity']:>10.4f}{kl:>12}{top:>9}")
+        wall = f"{r['seconds'][name]:.1f}" if name in r["seconds"] else "-"
+        print(f"{name:<18}{e['perplexity']:>10.4f}{kl:>12}{ratio:>11}{top:>9}{wall:>8}")
 
 
 # -------------------------------------------------------------------------------------------- speed
@@ -138,11 +166,33 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
         f"tok = AutoTokenizer.from_pretrained({str(src)!r})\n"
         f"tokens = calibration_tokens({str(REPO / 'calibration_data/default.jsonl')!r}, tok, {samples}, {seq_len}, 0)\n"
     )
+    # quantkit's peak above its own runtime baseline: after the imports and the tokenizer run, the kernel's
+    # high-water mark is reset (Linux clear_refs 5) and the resident size then is the baseline
     ours = common + (
         "from quantkit.convert import convert\nfrom quantkit.recipe import Recipe\n"
+        "import numba, transformers.models.deepseek_v3.modeling_deepseek_v3, gc\n"
+        "from quantkit.calibrate.runner import calibrate\n"
         f"r = Recipe(method='gptq', calibration={{'dataset': {str(REPO / 'calibration_data/default.jsonl')!r}, "
         f"'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
+        "gc.collect(); open('/proc/self/clear_refs', 'w').write('5')\n"
+        "status = lambda key: int([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith(key)][0])\n"
+        "print('BASE_RSS_KIB', status('VmRSS:'))\n"
         f"convert({str(src)!r}, {str(root / 'ours')!r}, r, force=True)\n"
+        "print('HWM_RSS_KIB', status('VmHWM:'))\n"
+    )
+    # GPTQ alone on the pre-tokenized windows (the tokenizer's transient memory outside the measurement)
+    gptq_only = common + (
+        "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
+        "from quantkit.calibrate.runner import RunOptions, run\nfrom quantkit.recipe import Recipe\n"
+        "import gc, numba, shutil, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
+        f"r = Recipe(method='gptq', calibration={{'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
+        f"shutil.rmtree({str(root / 'gptq')!r}, ignore_errors=True)\n"
+        f"source = open_source({str(src)!r})\n"
+        "gc.collect(); open('/proc/self/clear_refs', 'w').write('5')\n"
+        "status = lambda key: int([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith(key)][0])\n"
+        "print('BASE_RSS_KIB', status('VmRSS:'))\n"
+        f"res = run(source, r, Path({str(root / 'gptq')!r}), print, RunOptions(tokens=tokens, threads={threads}))\n"
+        "print('HWM_RSS_KIB', status('VmHWM:'))\nprint(res.summary())\n"
     )
     calib_only = common + (
         "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
@@ -157,21 +207,40 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
         f"cfg = json.load(open({str(src / 'config.json')!r}))\n"
         f"oneshot_gptq({str(src)!r}, {str(root / 'oneshot')!r}, tokens, ignore_list(cfg, {{Role.ROUTED_EXPERT}}))\n"
     )
+    # the runtime baseline: the same interpreter, imports, tokenizer and tokens, no model work
+    baseline = common + (
+        "import numba, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
+        "from quantkit.convert import convert\nfrom quantkit.calibrate.runner import calibrate\n"
+    )
     res = {}
-    runs = (("quantkit", ours), ("quantkit calibrate only", calib_only), ("llm-compressor", theirs))
+    runs = (("baseline", baseline), ("quantkit", ours), ("quantkit gptq only", gptq_only),
+            ("quantkit calibrate only", calib_only), ("llm-compressor", theirs))
     for name, code in runs if not only else [r for r in runs if r[0] in only]:
         shutil.rmtree(root / ("ours" if name == "quantkit" else "oneshot"), ignore_errors=True)
         r = _timed(_rss_wrapper(code), threads)
         res[name] = {"wall_s": r["wall_s"], "peak_rss_gib": _peak(r["log"])}
+        if "BASE_RSS_KIB" in r["log"]:
+            res[name]["baseline_rss_gib"] = _peak(r["log"], "BASE_RSS_KIB")
+            res[name]["peak_after_baseline_gib"] = _peak(r["log"], "HWM_RSS_KIB")
         (RESULTS / f"speed_{name.replace(' ', '_')}.log").write_text(r["log"])
         print(f"{name:<15} wall {r['wall_s']:8.1f} s   peak RSS {res[name]['peak_rss_gib']:6.2f} GiB", flush=True)
-    hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
-    layer_params = experts * 3 * hidden * inter + (inter * 3 * hidden)  # routed + shared experts (attention small)
-    acts = samples * seq_len * hidden * 4 * 2
+    from quantkit.checkpoint.source import open_source
+
+    hidden = config["hidden_size"]
+    layer_params = sum(math.prod(t.shape) for n, t in open_source(src).logical.items()
+                       if n.startswith("model.layers.1."))  # every tensor of one decoder layer
+    acts = samples * seq_len * hidden * 4 * 2  # fp32 inputs + outputs of the calibration set
+    budget = layer_params * 2 + acts  # one layer in bf16 + activations
     out = {
         "checkpoint_gb": size / 1e9, "layers": layers, "samples": samples, "seq_len": seq_len, "threads": threads,
+        "one_layer_params": layer_params, "one_layer_bf16_gib": layer_params * 2 / 2**30,
         "one_layer_fp32_gib": layer_params * 4 / 2**30, "activations_in_out_gib": acts / 2**30, **res,
     }
+    for r in res.values():
+        if "baseline_rss_gib" in r:
+            above = (r["peak_after_baseline_gib"] - r["baseline_rss_gib"]) * 2**30
+            r["above_baseline_gib"] = above / 2**30
+            r["above_baseline_over_layer_bf16_plus_acts"] = above / budget
     if "quantkit" in res and "llm-compressor" in res:
         out["wall_ratio"] = res["quantkit"]["wall_s"] / res["llm-compressor"]["wall_s"]
     if keep is None:
@@ -188,10 +257,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", type=Path, default=None, help="reuse/keep the generated checkpoint here")
     ap.add_argument("--only", action="append", help="run only these (quantkit, 'quantkit calibrate only', ...)")
+    ap.add_argument("--variant", action="append", choices=sorted(VARIANTS),
+                    help="quality: also evaluate this GPTQ variant (repeatable)")
+    ap.add_argument("--arch", action="append", help="quality: only these tiny models (deepseek_v3, glm_moe_dsa)")
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if a.what == "quality":
-        res = quality(a.samples or 32, a.seq_len or 128, a.threads)
+        res = quality(a.samples or 32, a.seq_len or 128, a.threads, a.variant, a.arch)
     else:
         res = speed(a.layers, a.samples or 8, a.seq_len or 256, a.threads, a.keep, a.only)
     name = f"calibration_{a.what}" + ("_" + "_".join(x.replace(" ", "-") for x in a.only) if a.only else "")

@@ -101,6 +101,7 @@ def convert_cmd(
     seq_len: Optional[int] = typer.Option(None, help="Calibration sequence length."),  # noqa: UP045
     kv_cache: Optional[str] = typer.Option(None, help="fp8: calibrate and write FP8 KV-cache scales."),  # noqa: UP045
     workers: int = typer.Option(1, min=1, help="Worker processes (one source shard each)."),
+    device: str = typer.Option("cpu", help="Where RTN and calibration compute: cpu | cuda | cuda:N (same bytes)."),
     max_shard_size: Optional[str] = typer.Option(None, help="Largest output shard, e.g. 5GB."),  # noqa: UP045
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
     quiet: bool = typer.Option(False, help="No progress output."),
@@ -119,7 +120,7 @@ def convert_cmd(
                  "max_shard_size": max_shard_size}
     resolved = load_recipe(recipe, config, overrides)
     with RichReporter(quiet=quiet or as_json) as reporter:
-        result = convert(src, out, resolved, workers=workers, force=force, reporter=reporter)
+        result = convert(src, out, resolved, workers=workers, force=force, reporter=reporter, device=device)
     summary = {"out": str(result.out), "source_bytes": result.source_bytes, "output_bytes": result.output_bytes,
                "seconds": round(result.seconds, 2), "actions": result.actions, "resumed_shards": result.resumed_shards,
                "recipe": resolved.name, "warnings": result.warnings}

@@ -27,6 +27,9 @@ class GPTQSettings(BaseModel):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: int = Field(128, gt=0)
     actorder: Literal["static"] | None = "static"
+    scale_search: Literal["minmax", "mse"] = "minmax"  # group scales inside GPTQ (see docs/calibration.md)
+    routed_token_weight: float = Field(0.0, ge=0)  # routed tokens count 1 + w times in down_proj Hessians
+    routed_weight_gate_up: bool = False  # ... and in per-expert gate/up Hessians (one factorisation per expert)
 
 
 class CalibrationSettings(BaseModel):

@@ -18,17 +18,23 @@ import math
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantkit.errors import QuantkitError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from quantkit.quant.int4 import PackedInt4
+
 __all__ = ["evaluate", "evaluate_in_subprocess", "load_model", "fake_quantized_copy"]
 
 
-def load_model(path: Path) -> Any:
+def load_model(path: Path) -> PreTrainedModel:
     """A transformers causal LM (fp32) from a plain or quantized checkpoint directory."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -61,7 +67,7 @@ def heldout_tokens(data: Path, tokenizer_dir: Path, seq_len: int, windows: int) 
 
 
 @torch.no_grad()
-def _log_probs(model: Any, tokens: torch.Tensor, batch: int = 8) -> torch.Tensor:
+def _log_probs(model: PreTrainedModel, tokens: torch.Tensor, batch: int = 8) -> torch.Tensor:
     out = []
     for i in range(0, tokens.shape[0], batch):
         logits = model(input_ids=tokens[i : i + batch]).logits[:, :-1].float()
@@ -122,7 +128,8 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------- quality-test helper
-def fake_quantized_copy(src: Path, out: Path, quantized: Any, group_size: int, roles: set[str]) -> None:
+def fake_quantized_copy(src: Path, out: Path, quantized: Callable[[str], PackedInt4 | None], group_size: int,
+                        roles: set[str]) -> None:
     """A plain (dequantized) copy of `src` where every Linear of `roles` is replaced by its INT4 value:
     `quantized(module) -> PackedInt4 | None` (None = RTN). Used to measure quality without the converter."""
     import shutil

@@ -21,35 +21,45 @@ expert, so one factorisation serves hundreds of experts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from quantkit.quant.int4 import QMAX, QMIN, group_scales, quantize_rtn
+from quantkit.quant.int4 import QMAX, QMIN, group_scales, mse_group_scales, quantize_rtn
 
-__all__ = ["Factor", "HessianAccumulator", "gptq", "prepare", "quantize_many", "quantize_rows", "relative_error"]
+__all__ = ["Factor", "HessianAccumulator", "ScaleSearch", "gptq", "prepare", "quantize_many", "quantize_rows",
+           "relative_error"]
+
+ScaleSearch = Literal["minmax", "mse"]  # group scales: absmax / 7.5, or the input-weighted MSE-best clipping
 
 DAMP_RETRIES = 2  # damping tried: d, 10 d, 100 d
 
 
 class HessianAccumulator:
-    """Running `sum x x^T` over input rows (fp32) and the number of rows seen."""
+    """Running `sum w x x^T` over input rows (fp32), the number of rows seen and their total weight."""
 
     def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
         self.sum = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.count = 0
+        self.weight = 0.0
 
     def add(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         """Add input rows `x [..., columns]`; `weight` (per row) scales each row's contribution."""
         x = x.reshape(-1, x.shape[-1]).to(self.sum.device, torch.float32)
         if x.shape[0] == 0:
             return
-        xt = x.t() if weight is None else (x * weight.reshape(-1, 1).to(x)).t()
+        if weight is None:
+            xt, total = x.t(), float(x.shape[0])
+        else:
+            weight = weight.reshape(-1, 1).to(x)
+            xt, total = (x * weight).t(), float(weight.sum())
         self.sum.addmm_(xt, x)
         self.count += x.shape[0]
+        self.weight += total
 
     def hessian(self) -> torch.Tensor:
-        """`X^T X / n` (zeros when nothing was seen)."""
-        return self.sum / max(self.count, 1)
+        """`X^T W X / sum(W)` (`X^T X / n` unweighted; zeros when nothing was seen)."""
+        return self.sum / (self.weight if self.weight > 0 else 1.0)
 
 
 @dataclass
@@ -61,6 +71,7 @@ class Factor:
     dead: torch.Tensor  # bool [in]: columns no input ever reached (their weights are zeroed)
     damping: float  # relative damping that succeeded (or the last one tried)
     failure: str | None = None  # why GPTQ was not possible (-> RTN)
+    diag: torch.Tensor | None = None  # diag(H) in natural column order: each input's energy
 
 
 def prepare(h: torch.Tensor, damp: float = 0.01, actorder: bool = True) -> Factor:
@@ -72,6 +83,7 @@ def prepare(h: torch.Tensor, damp: float = 0.01, actorder: bool = True) -> Facto
         return Factor(None, None, dead, damp, "no calibration input (Hessian is zero)")
     if not bool(torch.isfinite(h).all()):
         return Factor(None, None, dead, damp, "Hessian has NaN/Inf")
+    energy = diag.clone()
     perm = torch.argsort(diag, descending=True) if actorder else None
     work = h.clone()
     wd = torch.diagonal(work)
@@ -88,7 +100,7 @@ def prepare(h: torch.Tensor, damp: float = 0.01, actorder: bool = True) -> Facto
             hinv = torch.cholesky_inverse(chol)
             hinv, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if int(info) == 0 and bool(torch.isfinite(hinv).all()):
-                return Factor(hinv, perm, dead, frac)
+                return Factor(hinv, perm, dead, frac, diag=energy)
     return Factor(None, perm, dead, frac, f"Hessian not positive definite even with damping {frac:g}")
 
 
@@ -98,13 +110,14 @@ def quantize_rows(
     group_size: int,
     block_size: int = 128,
     scale_dtype: torch.dtype = torch.bfloat16,
+    scale_search: ScaleSearch = "minmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ codes (int8 `[out, in]`) and scales (`[out, in/group]`, `scale_dtype`) of `w`.
 
     Rows are independent given the factor, so callers may pass any stack of rows that share it.
     With `factor.hinv is None` this is plain RTN.
     """
-    return quantize_many([w], [factor], group_size, block_size, scale_dtype)[0]
+    return quantize_many([w], [factor], group_size, block_size, scale_dtype, scale_search)[0]
 
 
 def quantize_many(
@@ -113,11 +126,14 @@ def quantize_many(
     group_size: int,
     block_size: int = 128,
     scale_dtype: torch.dtype = torch.bfloat16,
+    scale_search: ScaleSearch = "minmax",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ of several same-shape weights, each with its own factor, in one batched column loop.
 
     One loop over the columns for all of them (instead of one per module) is what makes hundreds of small
-    experts cheap: the per-column work is a handful of batched tensor ops either way.
+    experts cheap: the per-column work is a handful of batched tensor ops either way. The group scales
+    are fixed before the loop from the (model-dtype) weights: `minmax` is compressed-tensors' absmax
+    rule, `mse` searches clipping ratios per group minimising the error weighted by `diag(H)`.
     """
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ws)
     todo = [i for i, f in enumerate(factors) if f.hinv is not None]
@@ -128,7 +144,11 @@ def quantize_many(
         # the weights as a checkpoint in the model dtype holds them (what RTN quantizes too), and their
         # static group scales, fixed before any GPTQ update
         work = torch.stack([ws[i].to(scale_dtype).to(torch.float32) for i in todo])  # [B, out, in]
-        scales = [group_scales(w, group_size, scale_dtype) for w in work]
+        if scale_search == "mse":
+            scales = [mse_group_scales(w, group_size, scale_dtype, col_weight=factors[i].diag)
+                      for w, i in zip(work, todo, strict=True)]
+        else:
+            scales = [group_scales(w, group_size, scale_dtype) for w in work]
         dead = torch.stack([factors[i].dead for i in todo]).to(work.device)
         work.masked_fill_(dead.unsqueeze(1), 0)
         perm = _perms(factors, todo, work.shape[2]).to(work.device)
@@ -201,8 +221,9 @@ def gptq(
     block_size: int = 128,
     actorder: bool = True,
     scale_dtype: torch.dtype = torch.bfloat16,
+    scale_search: ScaleSearch = "minmax",
 ) -> tuple[torch.Tensor, torch.Tensor, Factor]:
     """One module: (codes, scales, factor) — the factor says which damping worked or why RTN was used."""
     factor = prepare(h, damp, actorder)
-    q, scale = quantize_rows(w, factor, group_size, block_size, scale_dtype)
+    q, scale = quantize_rows(w, factor, group_size, block_size, scale_dtype, scale_search)
     return q, scale, factor

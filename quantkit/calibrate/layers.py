@@ -9,19 +9,24 @@ tensors read (dequantized from FP8-block / INT4 / BF16) from the source, so peak
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from quantkit.arch import family_for, text_config
+from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.errors import QuantkitError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["hf_config", "decoder_class", "build_layer", "rotary", "causal_mask"]
 
 
 
-def hf_config(config: dict[str, Any]) -> Any:
+def hf_config(config: dict[str, Any]) -> PretrainedConfig:
     """A transformers config for the text model (quantization_config dropped: we dequantize ourselves)."""
     from transformers import AutoConfig
 
@@ -38,18 +43,18 @@ def hf_config(config: dict[str, Any]) -> Any:
     return cfg
 
 
-def _module(model_type: str) -> Any:
+def _module(model_type: str) -> ModuleType:
     import importlib
 
     name = family_for(model_type).transformers.module
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
-def decoder_class(cfg: Any) -> type[nn.Module]:
+def decoder_class(cfg: PretrainedConfig) -> type[nn.Module]:
     return getattr(_module(cfg.model_type), family_for(cfg.model_type).transformers.decoder_layer)
 
 
-def rotary(cfg: Any) -> nn.Module:
+def rotary(cfg: PretrainedConfig) -> nn.Module:
     """The model-level rotary embedding (it has no weights, only buffers computed from the config)."""
     return getattr(_module(cfg.model_type), family_for(cfg.model_type).transformers.rotary)(cfg)
 
@@ -59,8 +64,9 @@ def causal_mask(batch: int, seq: int) -> torch.Tensor:
     return torch.ones(seq, seq, dtype=torch.bool).tril_().expand(batch, 1, seq, seq)
 
 
-def build_layer(source: Any, cfg: Any, layer: int, prefix: str = "") -> nn.Module:
-    """Decoder layer `layer` with weights from `source` (fp32), routed experts as `ExpertMoE`."""
+def build_layer(source: SourceCheckpoint, cfg: PretrainedConfig, layer: int, prefix: str = "") -> nn.Module:
+    """Decoder layer `layer` with weights from `source` (fp32; routed experts as `ExpertMoE`, held in the
+    model dtype)."""
     from quantkit.calibrate.moe import ExpertMoE
 
     with torch.device("meta"):
@@ -88,7 +94,7 @@ def build_layer(source: Any, cfg: Any, layer: int, prefix: str = "") -> nn.Modul
     return module.eval()
 
 
-def _materialise_buffers(module: nn.Module, cfg: Any) -> None:
+def _materialise_buffers(module: nn.Module, cfg: PretrainedConfig) -> None:
     """Buffers not stored in checkpoints (none today besides router bias defaults) must leave meta."""
     for name, buf in list(module.named_buffers()):
         if buf.is_meta:

@@ -7,6 +7,12 @@ has real data even when routing rarely picks it, but the layer *output* always u
 routing and weights. With all tokens sent everywhere, the gate/up input is the same for every expert, so
 one Hessian (and one factorisation) serves all of them; each expert's `down_proj` gets its own.
 
+Memory: expert weights are held in the model dtype (BF16/FP16: what the checkpoint stores) and upcast
+to fp32 one expert at a time; a quantized expert is held as its packed INT4 codes + scales (0.5 byte
+per weight) and dequantized per use. When the calibration activations fit in RAM, the MoE inputs are
+kept instead of one `down_proj` Hessian per expert, and each chunk of experts' down Hessians is built
+from them just before it is quantized — so only a chunk's Hessians exist at once.
+
 `quantize_experts` then runs GPTQ per expert and returns the packed results plus one coverage record per
 expert: tokens under real routing, samples in its Hessians, damping, RTN fallback, relative
 reconstruction error `||WX - QX|| / ||WX||` (and what RTN would have given).
@@ -14,57 +20,85 @@ reconstruction error `||WX - QX|| / ||WX||` (and what RTN would have given).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
-from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn
+from quantkit.checkpoint.source import SourceCheckpoint
+from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
+from quantkit.recipe import GPTQSettings
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["ExpertMoE", "quantize_experts"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-_ROWS_PER_CHUNK = 16384  # rows of stacked expert weights quantized in one GPTQ call (bounds memory)
+_ROWS_PER_CHUNK = 4096  # rows of stacked expert weights quantized in one GPTQ call (bounds memory)
+Collect = Literal["all", "routed"]  # every token through every expert, or only the routed ones
+ExpertWeight = torch.Tensor | PackedInt4
 
 
 class ExpertMoE(nn.Module):
     """A MoE block with per-expert weights and optional per-expert Hessian collection."""
 
     def __init__(self, gate: nn.Module, shared: nn.Module | None, experts: list[dict[str, torch.Tensor]],
-                 act: Any) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.gate = gate
         self.shared_experts = shared
-        self.experts = experts  # plain tensors, not parameters: swapped for dequantized ones after GPTQ
+        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 once quantized
+        self.experts: list[dict[str, ExpertWeight]] = list(experts)
         self.act = act
-        self.collect: str | None = None  # None | "all" (every token to every expert) | "routed"
+        self.group_size = 0  # of the packed experts
+        self.collect: Collect | None = None
         self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)
         self.h_in: HessianAccumulator | None = None
         self.h_in_expert: list[HessianAccumulator] = []
         self.h_down: list[HessianAccumulator] = []
+        self.inputs: list[torch.Tensor] | None = None  # MoE inputs kept (mode "all", when they fit)
+        self.routes: list[torch.Tensor] = []  # their top-k expert indices, for routed-token weighting
 
     @classmethod
-    def from_source(cls, source: Any, cfg: Any, base: str, hf_moe: nn.Module) -> ExpertMoE:
+    def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module) -> ExpertMoE:
         """Load router, shared experts and per-expert weights (names under `base` = `...mlp.`)."""
         gate = hf_moe.gate
         gate.load_state_dict(_read(source, base + "gate.", gate), strict=True, assign=True)
         shared = getattr(hf_moe, "shared_experts", None)
         if shared is not None:
             shared.load_state_dict(_read(source, base + "shared_experts.", shared), strict=True, assign=True)
-        n = int(cfg.n_routed_experts)
+        n, dtype = int(cfg.n_routed_experts), source.model_dtype
         experts = [
-            {p: source.read(f"{base}experts.{e}.{p}.weight", torch.float32) for p in PROJS} for e in range(n)
+            {p: source.read(f"{base}experts.{e}.{p}.weight", torch.float32).to(dtype) for p in PROJS}
+            for e in range(n)
         ]
         return cls(gate, shared, experts, hf_moe.experts.act_fn)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> ExpertMoE:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ExpertMoE:
         """`.to(device)` must move the plain expert tensors too (they are not parameters)."""
         super()._apply(fn, recurse)
-        self.experts = [{k: fn(v) for k, v in w.items()} for w in self.experts]
+        self.experts = [{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in w.items()} for w in self.experts]
         return self
 
-    def start_collecting(self, mode: str = "all") -> None:
+    # ---- weights ---------------------------------------------------------------------------------
+    def weight(self, e: int, proj: str) -> torch.Tensor:
+        """Expert `e`'s `proj` weight in fp32 (dequantized when already quantized)."""
+        w = self.experts[e][proj]
+        if isinstance(w, PackedInt4):
+            return dequantize_group(unpack_nibbles(w.weight_packed), w.weight_scale, self.group_size)
+        return w.float()
+
+    def _inner(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """The down_proj input of expert `e` for tokens `x`: act(x Wg^T) * (x Wu^T)."""
+        return self.act(x @ self.weight(e, "gate_proj").t()) * (x @ self.weight(e, "up_proj").t())
+
+    # ---- statistics ------------------------------------------------------------------------------
+    def start_collecting(self, mode: Collect = "all", keep_inputs: bool = False) -> None:
+        """Collect Hessians on the next forwards; `keep_inputs` (mode "all") keeps the MoE inputs instead of
+        accumulating a down_proj Hessian per expert — use it when the calibration activations fit in RAM."""
         w = self.experts[0]
         hidden, inter, dev = w["gate_proj"].shape[1], w["down_proj"].shape[1], w["gate_proj"].device
         self.collect = mode
@@ -72,11 +106,39 @@ class ExpertMoE(nn.Module):
             self.h_in = HessianAccumulator(hidden, dev)
         else:
             self.h_in_expert = [HessianAccumulator(hidden, dev) for _ in self.experts]
-        self.h_down = [HessianAccumulator(inter, dev) for _ in self.experts]
+        self.inputs = [] if keep_inputs and mode == "all" else None
+        self.h_down = [] if self.inputs is not None else [HessianAccumulator(inter, dev) for _ in self.experts]
 
     def stop_collecting(self) -> None:
         self.collect = None
+        self.inputs = None
+        self.routes = []
+        self.h_down = []
 
+    def down_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
+        """`down_proj` input Hessian of expert `e` and its sample count (from the source gate/up weights).
+
+        With kept inputs, `routed_weight` > 0 counts the tokens real routing sends to `e` 1 + w times.
+        """
+        if self.inputs is None:
+            return self.h_down[e].hessian(), self.h_down[e].count
+        acc = HessianAccumulator(self.experts[e]["down_proj"].shape[1], self.inputs[0].device)
+        for x, index in zip(self.inputs, self.routes, strict=True):
+            acc.add(self._inner(e, x), _token_weights(index, e, routed_weight))
+        return acc.hessian(), acc.count
+
+    def in_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
+        """gate/up input Hessian of expert `e` (shared by all experts unless `routed_weight` > 0 with kept
+        inputs: then expert `e`'s routed tokens count 1 + w times)."""
+        if routed_weight and self.inputs is not None:
+            acc = HessianAccumulator(self.inputs[0].shape[-1], self.inputs[0].device)
+            for x, index in zip(self.inputs, self.routes, strict=True):
+                acc.add(x, _token_weights(index, e, routed_weight))
+        else:
+            acc = self.h_in if self.h_in is not None else self.h_in_expert[e]
+        return acc.hessian(), acc.count
+
+    # ---- forward ---------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
@@ -84,24 +146,28 @@ class ExpertMoE(nn.Module):
         out = torch.zeros_like(x)
         if self.collect == "all":
             self.h_in.add(x)
-        for e, w in enumerate(self.experts):
+            if self.inputs is not None:
+                self.inputs.append(x.detach().clone())
+                self.routes.append(index.detach().clone())
+        for e in range(len(self.experts)):
             token, slot = torch.where(index == e)
-            if self.collect is None or self.collect == "routed":
-                self.routed_tokens[e] += token.numel() if self.collect else 0
-                if token.numel() == 0:
-                    continue
-                a = self.act(x[token] @ w["gate_proj"].t()) * (x[token] @ w["up_proj"].t())
+            if self.collect is not None:
+                self.routed_tokens[e] += token.numel()
+            if self.collect == "all" and self.inputs is None:
+                # every token through expert e for its statistics; only routed tokens reach the output
+                a_all = self._inner(e, x)
+                self.h_down[e].add(a_all)
+                a = a_all[token]
+            elif token.numel() == 0:
+                continue
+            else:
+                a = self._inner(e, x[token])
                 if self.collect == "routed":
                     self.h_in_expert[e].add(x[token])
                     self.h_down[e].add(a)
-                y = a @ w["down_proj"].t()
-            else:  # every token through expert e for its statistics; only routed tokens reach the output
-                self.routed_tokens[e] += token.numel()
-                a_all = self.act(x @ w["gate_proj"].t()) * (x @ w["up_proj"].t())
-                self.h_down[e].add(a_all)
-                if token.numel() == 0:
-                    continue
-                y = a_all[token] @ w["down_proj"].t()
+            if token.numel() == 0:
+                continue
+            y = a @ self.weight(e, "down_proj").t()
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         out = out.view(shape)
         if self.shared_experts is not None:
@@ -109,7 +175,14 @@ class ExpertMoE(nn.Module):
         return out
 
 
-def _read(source: Any, base: str, module: nn.Module) -> dict[str, torch.Tensor]:
+def _token_weights(index: torch.Tensor, e: int, routed_weight: float) -> torch.Tensor | None:
+    """Per-token weights `1 + w * [routed to e]` (the accumulator divides by their sum: same scale)."""
+    if not routed_weight:
+        return None
+    return 1.0 + routed_weight * (index == e).any(dim=-1).to(torch.float32)
+
+
+def _read(source: SourceCheckpoint, base: str, module: nn.Module) -> dict[str, torch.Tensor]:
     """A submodule's state dict read from the source (names `base` + local name)."""
     names = set(source.logical_names())
     keys = list(module.state_dict(keep_vars=True).keys())
@@ -122,44 +195,64 @@ def quantize_experts(
     module_base: str,
     layer: int,
     group_size: int,
-    damp: float,
-    block_size: int,
-    actorder: bool,
+    settings: GPTQSettings,
+    scale_dtype: torch.dtype,
 ) -> tuple[dict[str, PackedInt4], list[dict[str, Any]]]:
-    """GPTQ every routed expert of `moe` (collected statistics required); swap in dequantized weights.
+    """GPTQ every routed expert of `moe` (collected statistics required); swap in the packed results.
 
-    `module_base` is the experts' module prefix (`model.layers.N.mlp.experts.`). Returns packed results by
-    module name and one coverage record per expert.
+    `module_base` is the experts' module prefix (`model.layers.N.mlp.experts.`). Returns packed results
+    (on the CPU) by module name and one coverage record per expert. The down projections go first: their
+    Hessians are built from the source gate/up weights.
     """
     n = len(moe.experts)
+    damp, block, actorder = settings.dampening_frac, settings.block_size, settings.actorder == "static"
     packed: dict[str, PackedInt4] = {}
     records = [_record(moe, layer, e) for e in range(n)]
-    in_factors = _input_factors(moe, damp, actorder)
-    gate_up_chunks = _chunks(n, moe.experts[0]["gate_proj"].shape[0] * 2) if moe.h_in is not None else [
-        [e] for e in range(n)]
-    for chunk in gate_up_chunks:
-        rows = torch.cat([torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]]) for e in chunk])
-        factor = in_factors[chunk[0]]  # shared by the chunk (per-expert factors: chunks of one expert)
-        q, s = quantize_rows(rows, factor, group_size, block_size)
-        inter = moe.experts[0]["gate_proj"].shape[0]
-        for i, e in enumerate(chunk):
-            for j, proj in enumerate(("gate_proj", "up_proj")):
-                sl = slice((2 * i + j) * inter, (2 * i + j + 1) * inter)
-                _finish(moe, e, proj, q[sl], s[sl], factor, group_size, records[e], packed, module_base)
+    moe.group_size = group_size
+
+    def finish(e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor) -> None:
+        _finish(moe, e, proj, q, s, factor, h, group_size, scale_dtype, records[e], packed, module_base)
+
+    def _finish_gate_up(e: int, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor,
+                        count: int) -> None:
+        """q, s: expert e's gate rows then its up rows."""
+        inter = q.shape[0] // 2
+        records[e]["samples"]["gate_up"] = count
+        finish(e, "gate_proj", q[:inter], s[:inter], factor, h)
+        finish(e, "up_proj", q[inter:], s[inter:], factor, h)
+
     for chunk in _chunks(n, moe.experts[0]["down_proj"].shape[0]):
-        factors = [prepare(moe.h_down[e].hessian(), damp, actorder) for e in chunk]
-        results = quantize_many([moe.experts[e]["down_proj"] for e in chunk], factors, group_size, block_size)
-        for e, factor, (q, s) in zip(chunk, factors, results, strict=True):
-            _finish(moe, e, "down_proj", q, s, factor, group_size, records[e], packed, module_base)
+        hessians = [moe.down_hessian(e, settings.routed_token_weight) for e in chunk]
+        for e, (_, count) in zip(chunk, hessians, strict=True):
+            records[e]["samples"]["down"] = count
+        factors = [prepare(h, damp, actorder) for h, _ in hessians]
+        results = quantize_many([moe.experts[e]["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
+                                settings.scale_search)
+        for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
+            finish(e, "down_proj", q, s, factor, h)
+
+    inter = moe.experts[0]["gate_proj"].shape[0]
+    weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
+    if moe.h_in is not None and not weighted:  # one gate/up Hessian and factor for all experts
+        h, count = moe.in_hessian(0)
+        factor = prepare(h, damp, actorder)
+        for chunk in _chunks(n, 2 * inter):
+            rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")])
+            q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
+            del rows
+            for i, e in enumerate(chunk):
+                _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
+                                factor, h, count)
+    else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
+        for chunk in _chunks(n, 2 * inter):
+            hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
+            factors = [prepare(h, damp, actorder) for h, _ in hessians]
+            rows = [torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]]) for e in chunk]
+            results = quantize_many(rows, factors, group_size, block, scale_dtype, settings.scale_search)
+            del rows
+            for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
+                _finish_gate_up(e, q, s, factor, h, count)
     return packed, records
-
-
-def _input_factors(moe: ExpertMoE, damp: float, actorder: bool) -> list[Factor]:
-    """The gate/up factor of each expert (one shared object when all tokens went to all experts)."""
-    if moe.h_in is not None:
-        shared = prepare(moe.h_in.hessian(), damp, actorder)
-        return [shared] * len(moe.experts)
-    return [prepare(acc.hessian(), damp, actorder) for acc in moe.h_in_expert]
 
 
 def _chunks(n: int, rows_per_expert: int) -> list[list[int]]:
@@ -168,12 +261,11 @@ def _chunks(n: int, rows_per_expert: int) -> list[list[int]]:
 
 
 def _record(moe: ExpertMoE, layer: int, e: int) -> dict[str, Any]:
-    samples_in = moe.h_in.count if moe.h_in is not None else moe.h_in_expert[e].count
     return {
         "layer": layer,
         "expert": e,
         "routed_tokens": int(moe.routed_tokens[e]),
-        "samples": {"gate_up": samples_in, "down": moe.h_down[e].count},
+        "samples": {"gate_up": 0, "down": 0},
         "damping": {},
         "fallback": {},
         "rel_error": {},
@@ -181,18 +273,26 @@ def _record(moe: ExpertMoE, layer: int, e: int) -> dict[str, Any]:
     }
 
 
-def _finish(moe: ExpertMoE, e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor,
-            group_size: int, record: dict[str, Any], packed: dict[str, PackedInt4], base: str) -> None:
-    """Record errors, pack, and swap the expert's weight for its dequantized value."""
-    w = moe.experts[e][proj]
-    h = moe.h_down[e].hessian() if proj == "down_proj" else (
-        moe.h_in.hessian() if moe.h_in is not None else moe.h_in_expert[e].hessian())
-    dq = dequantize_group(q, s, group_size)
-    rq, rs = quantize_rtn(w, group_size)
+def _finish(moe: ExpertMoE, e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor,
+            group_size: int, scale_dtype: torch.dtype, record: dict[str, Any], packed: dict[str, PackedInt4],
+            base: str) -> None:
+    """Record errors, pack, and swap the expert's source weight for its packed result."""
     record["damping"][proj] = factor.damping
     if factor.failure:
         record["fallback"][proj] = f"rtn: {factor.failure}"
-    record["rel_error"][proj] = relative_error(w, dq, h)
-    record["rtn_rel_error"][proj] = relative_error(w, dequantize_group(rq, rs, group_size), h)
-    packed[f"{base}{e}.{proj}"] = pack_int4(q.cpu(), s.cpu())
-    moe.experts[e][proj] = dq
+    record["rel_error"][proj], record["rtn_rel_error"][proj] = module_errors(
+        moe.experts[e][proj], q, s, h, group_size, scale_dtype)
+    result = pack_int4(q, s.to(scale_dtype))
+    packed[f"{base}{e}.{proj}"] = PackedInt4(result.weight_packed.cpu(), result.weight_scale.cpu(),
+                                             result.weight_shape)
+    moe.experts[e][proj] = result
+
+
+def module_errors(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, h: torch.Tensor, group_size: int,
+                  scale_dtype: torch.dtype, max_rows: int = 256) -> tuple[float, float]:
+    """Relative output error of the GPTQ result and of RTN, on at most `max_rows` evenly spaced rows."""
+    step = max(1, -(-w.shape[0] // max_rows))
+    w, q, s = w[::step].float(), q[::step], s[::step]
+    rq, rs = quantize_rtn(w, group_size, scale_dtype)
+    return (relative_error(w, dequantize_group(q, s, group_size), h),
+            relative_error(w, dequantize_group(rq, rs, group_size), h))

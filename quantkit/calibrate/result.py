@@ -12,9 +12,11 @@ from typing import Any
 
 from safetensors import safe_open
 
+from quantkit.arch import Adapter
 from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report
 from quantkit.durable import write_json_atomic
 from quantkit.quant.int4 import PackedInt4
+from quantkit.recipe import Recipe
 
 __all__ = ["CalibrationResult", "COVERAGE_FILE", "KV_REPORT_FILE"]
 
@@ -25,7 +27,7 @@ KV_REPORT_FILE = "kv_cache_report.json"
 class CalibrationResult:
     """Results of `quantkit.calibrate.runner.calibrate`, backed by `work_dir/layer_NNNN.safetensors`."""
 
-    def __init__(self, work_dir: Path, adapter: Any, recipe: Any) -> None:
+    def __init__(self, work_dir: Path, adapter: Adapter, recipe: Recipe) -> None:
         self.work_dir = work_dir
         self.adapter = adapter
         self.recipe = recipe
@@ -35,7 +37,7 @@ class CalibrationResult:
         self.kv: dict[int, KVStats] = {}
 
     @classmethod
-    def load(cls, work_dir: Path, adapter: Any, recipe: Any) -> CalibrationResult:
+    def load(cls, work_dir: Path, adapter: Adapter, recipe: Recipe) -> CalibrationResult:
         res = cls(work_dir, adapter, recipe)
         for layer in range(adapter.num_layers):
             path = work_dir / f"layer_{layer:04d}.safetensors"

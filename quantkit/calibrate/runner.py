@@ -25,22 +25,27 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from quantkit.arch import Role
+from quantkit.arch import Adapter, KVLayout, Role, family_for
 from quantkit.calibrate import layers as L
-from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows, relative_error
+from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.kv import KVStats, StatCache
-from quantkit.calibrate.moe import ExpertMoE, quantize_experts
+from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
+from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.durable import write_json_atomic
 from quantkit.errors import QuantkitError
-from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn
+from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4
+from quantkit.recipe import Recipe
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["calibrate", "run", "RunOptions", "CalibrationResult"]
 
@@ -61,12 +66,19 @@ class RunOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def calibrate(source: Any, recipe: Any, work_dir: Path, progress: Progress | None = None) -> CalibrationResult:
-    """The converter's entry point: GPTQ (when `recipe.method == "gptq"`) and/or KV statistics."""
-    return run(source, recipe, Path(work_dir), progress, RunOptions(quantize=recipe.method == "gptq"))
+def calibrate(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Progress | None = None,
+              device: str | None = None) -> CalibrationResult:
+    """The converter's entry point: GPTQ (when `recipe.method == "gptq"`) and/or KV statistics.
+
+    `device` None picks CUDA when present (calibration is forward passes and GPTQ: a GPU helps); the
+    converter passes its `--device`.
+    """
+    opts = RunOptions(quantize=recipe.method == "gptq", device=device)
+    return run(source, recipe, Path(work_dir), progress, opts)
 
 
-def run(source: Any, recipe: Any, work_dir: Path, progress: Progress | None, opts: RunOptions) -> CalibrationResult:
+def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Progress | None,
+        opts: RunOptions) -> CalibrationResult:
     say = progress or (lambda _m: None)
     _threads(opts)
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -104,7 +116,7 @@ def _threads(opts: RunOptions) -> None:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def _tokens(source: Any, recipe: Any) -> torch.Tensor:
+def _tokens(source: SourceCheckpoint, recipe: Recipe) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     from quantkit.calibrate.data import calibration_tokens
@@ -120,7 +132,7 @@ def _tokens(source: Any, recipe: Any) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- resume bookkeeping
-def _check_manifest(work_dir: Path, source: Any, recipe: Any, tokens: torch.Tensor, opts: RunOptions,
+def _check_manifest(work_dir: Path, source: SourceCheckpoint, recipe: Recipe, tokens: torch.Tensor, opts: RunOptions,
                     say: Progress) -> None:
     """Invalidate `work_dir` when it was made for other inputs (source, recipe, data, mode)."""
     key = hashlib.sha256()
@@ -211,14 +223,15 @@ def _write_acts(path: Path, batches: Iterator[torch.Tensor], _topk: None) -> Non
     w.close()
 
 
-def _embed(source: Any, tokens: torch.Tensor, batch: int, prefix: str) -> Iterator[torch.Tensor]:
+def _embed(source: SourceCheckpoint, tokens: torch.Tensor, batch: int, prefix: str) -> Iterator[torch.Tensor]:
     table = source.read(f"{prefix}model.embed_tokens.weight", torch.float32)
     for i in range(0, tokens.shape[0], batch):
         yield nn.functional.embedding(tokens[i : i + batch], table)
 
 
 # -------------------------------------------------------------------------------------- one layer
-def _run_layer(source: Any, cfg: Any, rope: nn.Module, layer: int, acts: Acts, work_dir: Path, recipe: Any,
+def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module, layer: int, acts: Acts, work_dir: Path,
+               recipe: Recipe,
                roles: set[Role], kv_layout: str | None, opts: RunOptions, device: torch.device) -> None:
     adapter = source.adapter
     base = f"{adapter.prefix}model.layers.{layer}."
@@ -234,20 +247,18 @@ def _run_layer(source: Any, cfg: Any, rope: nn.Module, layer: int, acts: Acts, w
     if quantize_moe or linears:
         hessians = {name: HessianAccumulator(lin.in_features, device) for name, lin in linears.items()}
         hooks = [lin.register_forward_pre_hook(_hessian_hook(hessians[name])) for name, lin in linears.items()]
-        if quantize_moe:
-            moe.start_collecting("all" if opts.all_experts else "routed")
+        if quantize_moe:  # MoE inputs kept (not one Hessian per expert) when the activations fit in RAM
+            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=acts.cached is not None)
         _forward_all(module, rope, acts, cfg, device, None, None)
         for h in hooks:
             h.remove()
-        g = recipe.gptq
-        actorder = g.actorder == "static"
+        dtype = source.model_dtype
         if quantize_moe:
-            p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size,
-                                           g.dampening_frac, g.block_size, actorder)
+            p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size, recipe.gptq, dtype)
             packed.update(p)
             moe.stop_collecting()
         for name, lin in linears.items():
-            packed[base + name], rec = _quantize_linear(lin, hessians[name].hessian(), recipe, actorder)
+            packed[base + name], rec = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype)
             modules.append({"layer": layer, "module": base + name, **rec})
     last = layer == adapter.num_layers - 1
     stats = KVStats(kv_layout) if kv_layout else None
@@ -259,7 +270,7 @@ def _run_layer(source: Any, cfg: Any, rope: nn.Module, layer: int, acts: Acts, w
     _save_layer(work_dir, layer, packed, coverage, modules, stats)
 
 
-def _target_linears(module: nn.Module, base: str, adapter: Any, roles: set[Role]) -> dict[str, nn.Linear]:
+def _target_linears(module: nn.Module, base: str, adapter: Adapter, roles: set[Role]) -> dict[str, nn.Linear]:
     """Non-expert Linear modules of this layer whose role the recipe quantizes."""
     out = {}
     for name, sub in module.named_modules():
@@ -276,28 +287,28 @@ def _hessian_hook(acc: HessianAccumulator) -> Callable[..., None]:
     return hook
 
 
-def _quantize_linear(lin: nn.Linear, h: torch.Tensor, recipe: Any, actorder: bool) -> tuple[PackedInt4, dict]:
+def _quantize_linear(lin: nn.Linear, h: torch.Tensor, recipe: Recipe, dtype: torch.dtype
+                     ) -> tuple[PackedInt4, dict[str, Any]]:
     g, gs = recipe.gptq, recipe.group_size
     w = lin.weight.data
-    factor = prepare(h, g.dampening_frac, actorder)
-    q, s = quantize_rows(w, factor, gs, g.block_size)
-    dq = dequantize_group(q, s, gs)
-    rq, rs = quantize_rtn(w, gs)
+    factor = prepare(h, g.dampening_frac, g.actorder == "static")
+    q, s = quantize_rows(w, factor, gs, g.block_size, dtype, g.scale_search)
+    gptq_err, rtn_err = module_errors(w, q, s, h, gs, dtype)
     rec = {
         "damping": factor.damping,
         "fallback": f"rtn: {factor.failure}" if factor.failure else None,
-        "rel_error": relative_error(w, dq, h),
-        "rtn_rel_error": relative_error(w, dequantize_group(rq, rs, gs), h),
+        "rel_error": gptq_err,
+        "rtn_rel_error": rtn_err,
     }
-    lin.weight.data = dq.to(w.dtype)
-    return pack_int4(q.cpu(), s.cpu()), rec
+    lin.weight.data = dequantize_group(q, s, gs).to(w.dtype)
+    return pack_int4(q.cpu(), s.to(dtype).cpu()), rec
 
 
 @torch.no_grad()
-def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: Any, device: torch.device,
+def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: PretrainedConfig, device: torch.device,
                  writer: ActsWriter | None, stats: KVStats | None) -> None:
     """Run the layer on every input batch; write outputs and/or observe what the KV cache would hold."""
-    dsa = cfg.model_type == "glm_moe_dsa"
+    dsa = family_for(cfg.model_type).kv_layout == KVLayout.DSA
     cache = StatCache(stats, cfg.qk_nope_head_dim if dsa else None) if stats is not None else None
     hook = None
     if dsa and stats is not None:  # DSA's cached latent: the kv_a_layernorm output (see StatCache)

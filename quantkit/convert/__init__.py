@@ -15,18 +15,16 @@ lock is taken over. A free-space preflight refuses a run that cannot fit before 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
 import shutil
-import signal
-import sys
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -55,10 +53,10 @@ from quantkit.hub import read_origin
 from quantkit.hub.card import write_card
 from quantkit.recipe import Recipe
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the calibration stack imports transformers: only when a recipe calibrates
     from quantkit.calibrate.result import CalibrationResult
 
-__all__ = ["ConvertResult", "Reporter", "check_recipe_loadable", "convert"]
+__all__ = ["ConvertResult", "Reporter", "check_device", "check_recipe_loadable", "convert"]
 
 _RUN_FILE = "run.json"
 _KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
@@ -102,10 +100,16 @@ def convert(
     workers: int = 1,
     force: bool = False,
     reporter: Reporter | None = None,
+    device: str = "cpu",
 ) -> ConvertResult:
-    """Convert SRC into an INT4 compressed-tensors checkpoint at OUT (see module docstring)."""
+    """Convert SRC into an INT4 compressed-tensors checkpoint at OUT (see module docstring).
+
+    `device` is where RTN and calibration compute ("cpu", "cuda", "cuda:1"); every device writes the same
+    bytes for RTN (the CPU uses fused kernels, other devices torch ops, both bit-identical).
+    """
     started = time.perf_counter()
     report = reporter or _Silent()
+    device = check_device(device)
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     _check_paths(src_path, out_path)
     source = open_source(src_path)
@@ -127,7 +131,7 @@ def convert(
             if lock.previous_owner:
                 report.note(f"taking over {partial.name} from a run that stopped ({lock.previous_owner})")
             resumed, calibration = _convert_locked(source, plans, recipe, identity, partial, out_path, workers, force,
-                                                   report)
+                                                   report, device)
     except OSError as exc:
         if is_no_space(exc):
             raise no_space_error(exc, partial, max(needed.total - tree_bytes(partial), 1)) from None
@@ -143,9 +147,10 @@ def convert(
     )
 
 
+
 def _convert_locked(
     source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: dict[str, Any],
-    partial: Path, out: Path, workers: int, force: bool, report: Reporter,
+    partial: Path, out: Path, workers: int, force: bool, report: Reporter, device: str,
 ) -> tuple[int, CalibrationResult | None]:
     """Everything that writes, under the run lock: shards, calibration, finalize, metadata, publish."""
     if is_finished(partial, identity):  # killed after the metadata was complete: only publishing is left
@@ -154,14 +159,15 @@ def _convert_locked(
         publish(partial, out, force)
         return len(source.shard_files), None
     done = _prepare_partial(partial, source, identity, report)
-    calibration = None
+    calibration: CalibrationResult | None = None
     if recipe.needs_calibration:
         from quantkit.calibrate.runner import calibrate
 
         report.stage("calibrating layer by layer")
-        calibration = calibrate(source, recipe, partial / "calibration", progress=report.note)
+        calibration = calibrate(source, recipe, partial / "calibration", progress=report.note, device=device)
 
-    jobs = [ShardJob(i, s, plans[s], partial, recipe) for i, s in enumerate(source.shard_files) if i not in done]
+    jobs = [ShardJob(i, s, plans[s], partial, recipe, device) for i, s in enumerate(source.shard_files)
+            if i not in done]
     report.stage("converting shards", total=sum(p.source.nbytes for j in jobs for p in j.plans))
     _run_jobs(source, jobs, calibration, workers, report)
 
@@ -173,6 +179,22 @@ def _convert_locked(
     write_card(partial)  # README.md from quantkit.json; the source's README kept as README.source.md
     publish(partial, out, force)
     return len(done), calibration
+
+
+def check_device(device: str) -> str:
+    """A usable torch device string, or a one-line error (`cuda` asked for on a machine without one)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise QuantkitError(f"--device {device!r}: not a torch device (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QuantkitError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise QuantkitError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif dev.type != "cpu":
+        raise QuantkitError(f"--device {device!r}: only cpu and cuda are supported")
+    return str(dev)
 
 
 def _check_paths(src: Path, out: Path) -> None:
@@ -251,55 +273,41 @@ def _read_journal(partial: Path, index: int) -> dict[str, Any]:
 
 
 # ---- running the shard jobs ---------------------------------------------------------------------
-_WORKER: dict[str, Any] = {}
+def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: CalibrationResult | None, workers: int,
+              report: Reporter) -> None:
+    """Convert the shards with `workers` threads of this process, one shard each at a time.
 
-
-def _init_worker(source: SourceCheckpoint, calibration: Any, queue: Any, threads: int, parent: int) -> None:
-    _die_with_parent(parent)
-    torch.set_num_threads(threads)
-    _WORKER.update(source=source, calibration=calibration, queue=queue)
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker must not outlive a killed parent: it would go on writing into OUT.partial under a rerun."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _worker_job(job: ShardJob) -> dict[str, Any]:
-    queue = _WORKER["queue"]
-    return convert_shard(_WORKER["source"], job, _WORKER["calibration"], on_bytes=queue.put)
-
-
-def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Any, workers: int, report: Reporter) -> None:
+    Threads, not processes: the fused kernels, torch's ops and the file I/O all release the GIL, so the
+    shards convert in parallel without starting (and holding in memory) one interpreter per worker.
+    On an error or Ctrl-C the other threads stop at their next tensor; their unfinished parts are
+    discarded and redone on resume.
+    """
     if not jobs:
         return
     if workers <= 1 or len(jobs) == 1:
         for job in jobs:
             convert_shard(source, job, calibration, on_bytes=report.advance)
         return
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    ctx = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
-    queue = ctx.Queue()  # progress in bytes, tensor by tensor
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
-                             initargs=(source, calibration, queue, threads, os.getpid())) as pool:
-        pending: set[Future[dict[str, Any]]] = {pool.submit(_worker_job, job) for job in jobs}
-        try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(queue, report)
-                for future in finished:
-                    future.result()  # re-raise a worker's QuantkitError here
-            _drain(queue, report)
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+    progress: SimpleQueue[int] = SimpleQueue()  # bytes done, tensor by tensor; drained by this thread
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="quantkit-convert")
+    pending: set[Future[dict[str, Any]]] = {
+        pool.submit(convert_shard, source, job, calibration, progress.put, stop.is_set) for job in jobs}
+    try:
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(progress, report)
+            for future in finished:
+                future.result()  # re-raise a worker's QuantkitError here
+        _drain(progress, report)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _drain(queue: Any, report: Reporter) -> None:
+def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
     from queue import Empty
 
     while True:

@@ -24,11 +24,13 @@ __all__ = [
     "QMIN",
     "check_group_size",
     "dequantize_group",
+    "fp8_block_to_float32",
     "group_scales",
     "mse_group_scales",
     "pack_int4",
     "pack_nibbles",
     "quantize_group",
+    "unpack_nibbles",
     "quantize_rtn",
     "unpack_int4",
 ]
@@ -91,20 +93,28 @@ def quantize_group(
 
 
 def mse_group_scales(
-    w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16, grid: int = 20, min_ratio: float = 0.7
+    w: torch.Tensor,
+    group_size: int,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    grid: int = 20,
+    min_ratio: float = 0.7,
+    col_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-group scales that minimise the squared quantization error over clipping ratios in [min_ratio, 1].
 
     Clipping a few outliers usually lowers the error of the other 31 values in a group; RTN's absmax
     scale is ratio 1.0, which is always among the candidates, so this is never worse than `group_scales`.
+    `col_weight [in]` weights each input column's error (GPTQ passes `diag(H)`, the columns' input energy).
     """
     grouped = w.float().unflatten(-1, (-1, group_size))
+    cw = None if col_weight is None else col_weight.float().to(w.device).unflatten(-1, (-1, group_size))
     base = group_scales(w, group_size, scale_dtype)
     best_scale, best_err = base, None
     for ratio in torch.linspace(1.0, min_ratio, grid).tolist():
         scale = _round_to(base * ratio, scale_dtype).clamp_min(torch.finfo(scale_dtype).eps)
         q = _round_to(grouped / scale.unsqueeze(-1), scale_dtype).round_().clamp_(QMIN, QMAX)
-        err = (q * scale.unsqueeze(-1) - grouped).pow_(2).sum(-1)
+        diff = (q * scale.unsqueeze(-1) - grouped).pow_(2)
+        err = (diff if cw is None else diff.mul_(cw)).sum(-1)
         if best_err is None:
             best_err = err
             continue
@@ -132,6 +142,20 @@ def dequantize_group(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> t
     return grouped.flatten(-2)
 
 
+def fp8_block_to_float32(raw: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """`fp8 * scale_inv` per `block` (DeepSeek-style FP8-block weights) in fp32, on the tensors' device.
+
+    Exact: every e4m3 value is an fp32 value, and the product is one fp32 rounding, as in the CPU reader.
+    """
+    weight = raw.view(torch.float8_e4m3fn).to(torch.float32)
+    scale_inv = scale_inv.to(weight.device, torch.float32)
+    (bh, bw), (rows, cols) = block, weight.shape
+    if rows % bh == 0 and cols % bw == 0:  # broadcast the block scale, no full-size scale matrix
+        return weight.view(rows // bh, bh, cols // bw, bw).mul_(scale_inv[:, None, :, None]).view(rows, cols)
+    full = scale_inv.repeat_interleave(bh, 0)[:rows].repeat_interleave(bw, 1)[:, :cols]
+    return weight.mul_(full)
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' 4-bit `pack_to_int32` layout, ~5x faster: two nibbles per byte, four bytes per word.
 
@@ -144,6 +168,18 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
         return pack_to_int32(q.to(torch.int8), num_bits=4)
     u = (q.to(torch.int8) + 8).view(torch.uint8)
     return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous().view(torch.int32)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int8 codes `[out, in]` from `pack_nibbles`' int32 words `[out, in/8]` (any device, little-endian).
+
+    Cheap enough to run on every calibration forward, so calibration can hold quantized experts packed.
+    """
+    if sys.byteorder != "little":
+        raise NotImplementedError("unpack_nibbles: byte-wise layout assumes a little-endian machine")
+    u = packed.contiguous().view(torch.uint8)
+    codes = torch.stack(((u & 0xF), (u >> 4)), dim=-1).flatten(-2)
+    return codes.view(torch.int8).sub_(8)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> PackedInt4:
