@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_all
+from checkpoint_refs import read_all
 from safetensors.torch import load_file, save_file
 
 from quantkit.calibrate import layers as L

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import read_all
+from checkpoint_refs import read_all
 
 from quantkit.checkpoint.source import open_source
 from quantkit.convert import convert
