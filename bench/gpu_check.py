@@ -517,6 +517,9 @@ def section_gptq_layer(ctx: Context, rep: Report) -> None:
     import torch
 
     from quantkit.calibrate.moe import ExpertMoE, quantize_experts
+    from quantkit.recipe import GPTQSettings
+
+    settings = GPTQSettings(dampening_frac=0.01, block_size=128, actorder="static")
 
     device = torch_device(ctx)
     rep.device = device_name(device)
@@ -542,6 +545,7 @@ def section_gptq_layer(ctx: Context, rep: Report) -> None:
             moe(x)
             _sync(device)
             done += x.shape[0]
+    h_in, h_down = moe.h_in, moe.h_down  # stop_collecting drops the per-expert accumulators
     moe.stop_collecting()
     measured = time.perf_counter() - t
     rep.figures["statistics"] = {"tokens_done": done, "seconds_measured": measured,
@@ -554,10 +558,10 @@ def section_gptq_layer(ctx: Context, rep: Report) -> None:
         if quantized and ctx.remaining(margin=15) < solve_s / quantized * step:
             break
         part = ExpertMoE(moe.gate, None, moe.experts[lo : lo + step], moe.act)
-        part.h_in, part.h_down = moe.h_in, moe.h_down[lo : lo + step]
+        part.h_in, part.h_down = h_in, h_down[lo : lo + step]
         part.routed_tokens = moe.routed_tokens[lo : lo + step]
         t = time.perf_counter()
-        _, recs = quantize_experts(part, "model.layers.3.mlp.experts.", 3, 32, 0.01, 128, True)
+        _, recs = quantize_experts(part, "model.layers.3.mlp.experts.", 3, 32, settings, torch.bfloat16)
         _sync(device)
         solve_s += time.perf_counter() - t
         quantized += len(part.experts)

@@ -25,7 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,7 @@ from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_r
 from quantkit.errors import QuantkitError
 from quantkit.hub import read_origin
 from quantkit.hub.card import write_card
+from quantkit.progress import Reporter, Silent
 from quantkit.recipe import Recipe
 
 if TYPE_CHECKING:  # the calibration stack imports transformers: only when a recipe calibrates
@@ -60,25 +61,6 @@ __all__ = ["ConvertResult", "Reporter", "check_device", "check_recipe_loadable",
 
 _RUN_FILE = "run.json"
 _KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
-
-
-class Reporter(Protocol):
-    """Where progress goes (the CLI draws rich bars; tests pass nothing)."""
-
-    def stage(self, name: str, total: int | None = None) -> None: ...
-    def advance(self, n: int) -> None: ...
-    def note(self, message: str) -> None: ...
-
-
-class _Silent:
-    def stage(self, name: str, total: int | None = None) -> None:
-        pass
-
-    def advance(self, n: int) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
 
 
 @dataclass
@@ -108,7 +90,7 @@ def convert(
     bytes for RTN (the CPU uses fused kernels, other devices torch ops, both bit-identical).
     """
     started = time.perf_counter()
-    report = reporter or _Silent()
+    report = reporter or Silent()
     device = check_device(device)
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     _check_paths(src_path, out_path)

@@ -30,13 +30,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from quantkit.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file, update_manifest, verify_manifest
 from quantkit.checkpoint.source import PICKLE_SUFFIXES
 from quantkit.errors import QuantkitError
 from quantkit.hub import ORIGIN_FILE, read_origin
 from quantkit.hub.card import CARD_NAME, is_generated_card, write_card
+from quantkit.progress import Reporter, Silent
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -47,25 +48,6 @@ __all__ = ["PullResult", "PushResult", "hub_cache_dir", "is_hub_id", "pull", "pu
 PULL_PATTERNS = ("*.safetensors", "*.json", "*.py", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.md",
                  "*.yaml", "*.yml", "LICENSE*", "LICENCE*", "NOTICE*", MANIFEST_NAME, "tokenizer*")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}(@[\w./-]+)?")
-
-
-class Progress(Protocol):
-    """Where progress goes (the CLI's RichReporter draws bars with bytes and ETA)."""
-
-    def stage(self, name: str, total: int | None = None) -> None: ...
-    def advance(self, n: int) -> None: ...
-    def note(self, message: str) -> None: ...
-
-
-class _Quiet:
-    def stage(self, name: str, total: int | None = None) -> None:
-        pass
-
-    def advance(self, n: int) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
 
 
 def _endpoint() -> str:
@@ -168,12 +150,12 @@ def push(
     base_model: str | None = None,
     keep_card: bool = False,
     workers: int = 4,
-    progress: Progress | None = None,
+    progress: Reporter | None = None,
 ) -> PushResult:
     """Verify OUT, upload it to REPO_ID, and check the remote files against the manifest."""
     from quantkit.validate import validate_checkpoint
 
-    progress = progress or _Quiet()
+    progress = progress or Silent()
     if create_pr and revision:
         raise QuantkitError("--create-pr opens a pull request against the default branch; drop --revision")
     if not out.is_dir():
@@ -222,7 +204,7 @@ def _literal_pattern(rel: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in rel)
 
 
-def _verify_local(directory: Path, workers: int, progress: Progress, consequence: str) -> None:
+def _verify_local(directory: Path, workers: int, progress: Reporter, consequence: str) -> None:
     check = verify_manifest(directory, workers, on_total=lambda n: progress.stage("verifying sha256", n),
                             on_bytes=progress.advance)
     if not check.ok:
@@ -254,12 +236,12 @@ def pull(
     revision: str | None = None,
     *,
     workers: int = 4,
-    progress: Progress | None = None,
+    progress: Reporter | None = None,
 ) -> PullResult:
     """Download REPO_ID into DEST (resumable), never a pickle file; verify every file."""
     from huggingface_hub import snapshot_download
 
-    progress = progress or _Quiet()
+    progress = progress or Silent()
     api = _api()
     where = f"{_endpoint()}/{repo_id}"
     with _hub_errors(where):
@@ -292,7 +274,7 @@ def _write_origin(dest: Path, origin: dict[str, str | bool]) -> None:
 
 
 def _check_pulled(dest: Path, files: list[str], remote: dict[str, RepoFile], workers: int, where: str,
-                  progress: Progress) -> None:
+                  progress: Reporter) -> None:
     """Each file against the hub's size and sha256 (one read), and against SHA256SUMS when present."""
     def digest(rel: str) -> str | None:
         if remote[rel].lfs is None:  # small file: checked by git blob id below
@@ -329,7 +311,7 @@ def hub_cache_dir() -> Path:
     return Path(hf_home) / "quantkit"
 
 
-def resolve_source(spec: str | os.PathLike[str], config_only: bool = False, progress: Progress | None = None) -> Path:
+def resolve_source(spec: str | os.PathLike[str], config_only: bool = False, progress: Reporter | None = None) -> Path:
     """A local directory for SPEC: itself when it exists, else the pulled hub repo `owner/name[@rev]`.
 
     `config_only` fetches just config.json (what `quantkit plan` needs).
@@ -343,7 +325,7 @@ def resolve_source(spec: str | os.PathLike[str], config_only: bool = False, prog
         raise QuantkitError(f"{text}: no such local directory, and as a hub repo id: {exc}") from None
 
 
-def _pull_source(text: str, config_only: bool, progress: Progress | None) -> Path:
+def _pull_source(text: str, config_only: bool, progress: Reporter | None) -> Path:
     repo_id, _, revision = text.partition("@")
     dest = hub_cache_dir() / (repo_id.replace("/", "--") + (f"@{revision}" if revision else ""))
     if config_only:
@@ -358,6 +340,6 @@ def _pull_source(text: str, config_only: bool, progress: Progress | None) -> Pat
             commit = _api().repo_info(repo_id, revision=revision or None).sha
         if commit == origin.get("commit"):
             return dest  # already pulled and verified at this commit
-    (progress or _Quiet()).note(f"pulling {repo_id} into {dest}")
+    (progress or Silent()).note(f"pulling {repo_id} into {dest}")
     pull(repo_id, dest, revision or None, progress=progress)
     return dest
