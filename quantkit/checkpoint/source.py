@@ -169,7 +169,9 @@ class SourceCheckpoint:
     def close(self) -> None:
         """Nothing is held open between reads (no mmap), so there is nothing to release."""
 
-    def _dequant_fp8(self, t: LogicalTensor) -> torch.Tensor:
+    def fp8_parts(self, t: LogicalTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored float8 weight of an FP8-block tensor and its fp32 block scales, both checked: the scale
+        grid must match the weight, and every scale must be positive and finite."""
         scale_name = t.name + "_scale_inv"
         raw = self.read_physical(t.name, t.shard)
         scale = self.read_physical(scale_name, t.parts[scale_name]).to(torch.float32)
@@ -183,6 +185,12 @@ class SourceCheckpoint:
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             raise QuantkitError(f"{self.root / t.parts[scale_name]}: tensor {scale_name} holds a zero, negative, "
                                 "NaN or Inf block scale")
+        return raw, scale
+
+    def _dequant_fp8(self, t: LogicalTensor) -> torch.Tensor:
+        raw, scale = self.fp8_parts(t)
+        bh, bw = self.fp8_block_size
+        rows, cols = raw.shape
         weight = fp8_to_float32(raw)
         if rows % bh == 0 and cols % bw == 0:  # broadcast the block scale, no full-size scale matrix
             return weight.view(rows // bh, bh, cols // bw, bw).mul_(scale[:, None, :, None]).view(rows, cols)

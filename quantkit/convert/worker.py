@@ -141,24 +141,10 @@ def _fused_ok(source: SourceCheckpoint, t: LogicalTensor, device: torch.device) 
             and (t.fmt == "fp8_block" or (t.fmt == "plain" and t.dtype == "BF16")))
 
 
-def _fp8_parts(source: SourceCheckpoint, t: LogicalTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored FP8 weight and its fp32 block scales, the scale grid checked against the weight."""
-    scale_name = t.name + "_scale_inv"
-    raw = source.read_physical(t.name, t.shard)
-    scale = source.read_physical(scale_name, t.parts[scale_name]).to(torch.float32)
-    (bh, bw), (rows, cols) = source.fp8_block_size, raw.shape
-    if tuple(scale.shape) != (-(-rows // bh), -(-cols // bw)):
-        raise QuantkitError(
-            f"{source.root / t.parts[scale_name]}: tensor {scale_name} has shape {list(scale.shape)}, "
-            f"expected {[-(-rows // bh), -(-cols // bw)]} for blocks {bh}x{bw}"
-        )
-    return raw, scale
-
-
 def _read_float32(source: SourceCheckpoint, t: LogicalTensor, device: torch.device) -> torch.Tensor:
     """The logical weight as fp32 on `device` (FP8 decoded there; NaN/Inf not checked here)."""
     if t.fmt == "fp8_block":
-        raw, scale = _fp8_parts(source, t)
+        raw, scale = source.fp8_parts(t)
         return fp8_block_to_float32(raw.to(device), scale.to(device), source.fp8_block_size)
     return source.read(t.name, torch.float32, check_finite=False).to(device)
 
@@ -166,7 +152,7 @@ def _read_float32(source: SourceCheckpoint, t: LogicalTensor, device: torch.devi
 def _dequantize(source: SourceCheckpoint, t: LogicalTensor, device: torch.device) -> torch.Tensor:
     """A kept FP8 / INT4 weight in the model dtype, refused when it holds NaN or Inf."""
     if _fused_ok(source, t, device) and t.fmt == "fp8_block":
-        value, bad = fused.dequant_fp8_block_bf16(*_fp8_parts(source, t), source.fp8_block_size)
+        value, bad = fused.dequant_fp8_block_bf16(*source.fp8_parts(t), source.fp8_block_size)
     else:
         value = _read_float32(source, t, device).to(source.model_dtype)
         bad = int((~torch.isfinite(value)).sum())
@@ -182,7 +168,7 @@ def quantize_rtn_tensor(source: SourceCheckpoint, t: LogicalTensor, recipe: Reci
     `minmax`), through the fused CPU kernels where they apply, else with torch ops on `device`."""
     if recipe.scale_search == "minmax" and _fused_ok(source, t, device):
         if t.fmt == "fp8_block":
-            raw, scale = _fp8_parts(source, t)
+            raw, scale = source.fp8_parts(t)
             packed, scales, bad = fused.rtn_fp8_block(raw, scale, source.fp8_block_size, recipe.group_size)
         else:
             packed, scales, bad = fused.rtn_bf16(source.read_physical(t.name, t.shard), recipe.group_size)
