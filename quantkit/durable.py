@@ -48,22 +48,17 @@ def write_json_atomic(path: Path, value: JSONValue, indent: int | None = 2) -> N
     write_text_atomic(path, json.dumps(value, indent=indent) + "\n")
 
 
-def fsync_dir(path: Path) -> None:
-    """Make renames and new entries inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_file(path: Path) -> None:
-    """Flush one file's data to disk (a no-op cost when it was fsynced when written)."""
+    """fsync one file (its data; a no-op cost when it was fsynced when written) or one directory (its entries:
+    renames and new files inside it become durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_file  # the same call on a directory: makes renames and new entries inside it durable
 
 
 def fsync_tree(root: Path) -> None:

@@ -487,22 +487,9 @@ def run_batch(jobs: list[dict[str, Any]]) -> int:
     the same freshly imported state (no server args, distributed or MoE state carried over)."""
     prepare([json.loads((Path(j["ckpt"]) / "config.json").read_text())["architectures"][0] for j in jobs],
             preload=True)
-    failures = 0
-    for job in jobs:
-        pid = os.fork()
-        if pid == 0:  # child
-            code = 1
-            try:
-                report = run(Path(job["ckpt"]), list(job.get("args", [])))
-                Path(job["out"]).write_text(json.dumps(report, indent=1, default=str) + "\n")
-                code = 0
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        failures += int(os.waitstatus_to_exitcode(status) != 0)
-    return 1 if failures else 0
+    from forked import run_forked
+
+    return run_forked(jobs, lambda job: run(Path(job["ckpt"]), list(job.get("args", []))))
 
 
 def main(argv: list[str]) -> int:

@@ -339,24 +339,14 @@ def run_batch(jobs: list[dict[str, Any]]) -> int:
     """Import vLLM once, then run each job {"ckpt", "args", "out", "draft"} in a forked child: every run
     starts from the same freshly imported state (no config, distributed or registry state carried over)."""
     prepare(preload=True)
-    failures = 0
-    for job in jobs:
-        pid = os.fork()
-        if pid == 0:  # child
-            code = 1
-            try:
-                args = list(job.get("args", []))
-                draft = job.get("draft", True) and "--no-draft" not in args
-                report = run(Path(job["ckpt"]).resolve(), [a for a in args if a != "--no-draft"], draft=draft)
-                Path(job["out"]).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-                code = 0
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        failures += int(os.waitstatus_to_exitcode(status) != 0)
-    return 1 if failures else 0
+    from forked import run_forked
+
+    def run_job(job: dict[str, Any]) -> dict[str, Any]:
+        args = list(job.get("args", []))
+        draft = job.get("draft", True) and "--no-draft" not in args
+        return run(Path(job["ckpt"]).resolve(), [a for a in args if a != "--no-draft"], draft=draft)
+
+    return run_forked(jobs, run_job)
 
 
 def run(ckpt: Path, engine_args: list[str], draft: bool) -> dict[str, Any]:
