@@ -202,6 +202,12 @@ def _handler(hub: HubTestServer) -> type[BaseHTTPRequestHandler]:
                        {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"})
             return None
 
+        def _readable(self, repo_id: str, rev: str) -> tuple[Repo, str] | None:
+            """(repo, commit) for a read at `rev`; None once the error response is sent."""
+            repo = self._repo(repo_id, write=False)
+            commit = self._commit_of(repo, rev) if repo is not None else None
+            return (repo, commit) if repo is not None and commit is not None else None
+
         # ---- verbs ------------------------------------------------------------------------------
         def do_POST(self) -> None:  # noqa: N802
             seg, query = self._record()
@@ -389,24 +395,20 @@ def _handler(hub: HubTestServer) -> type[BaseHTTPRequestHandler]:
                              "pullRequestUrl": pr_url, "success": True})
 
         def _repo_info(self, repo_id: str, rev: str) -> None:
-            repo = self._repo(repo_id, write=False)
-            if repo is None:
+            found = self._readable(repo_id, rev)
+            if found is None:
                 return
-            commit = self._commit_of(repo, rev)
-            if commit is None:
-                return
+            repo, commit = found
             files = repo.commits[commit]
             self._json(200, {"id": repo_id, "_id": repo_id, "modelId": repo_id, "sha": commit,
                              "private": repo.private, "siblings": [{"rfilename": p} for p in sorted(files)],
                              "tags": [], "downloads": 0, "likes": 0})
 
         def _tree(self, repo_id: str, rev: str, prefix: str, query: dict[str, list[str]]) -> None:
-            repo = self._repo(repo_id, write=False)
-            if repo is None:
+            found = self._readable(repo_id, rev)
+            if found is None:
                 return
-            commit = self._commit_of(repo, rev)
-            if commit is None:
-                return
+            repo, commit = found
             recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
             out: list[dict[str, object]] = []
             dirs: set[str] = set()
@@ -431,12 +433,10 @@ def _handler(hub: HubTestServer) -> type[BaseHTTPRequestHandler]:
             self._json(200, out)
 
         def _resolve(self, repo_id: str, rev: str, path: str, head: bool) -> None:
-            repo = self._repo(repo_id, write=False)
-            if repo is None:
+            found = self._readable(repo_id, rev)
+            if found is None:
                 return
-            commit = self._commit_of(repo, rev)
-            if commit is None:
-                return
+            repo, commit = found
             f = repo.commits[commit].get(path)
             if f is None:
                 return self._send(404, b"{}", {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"},
