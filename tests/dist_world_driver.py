@@ -1,0 +1,32 @@
+"""Driver for tests/test_distributed_world.py, run by `python -m torch.distributed.run` (one process per rank).
+
+argv: FAILURE_DIR MODE — MODE "ok" (two collectives), "fail" (rank 1 raises a QuantkitError between them) or
+"kill" (rank 1 SIGKILLs itself between them). Prints `RESULT <rank> <message>` and exits like the CLI: 0, or 2.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from quantkit.distributed import World
+from quantkit.errors import QuantkitError
+
+world = World.from_env()
+world.start()
+failures, mode = Path(sys.argv[1]), sys.argv[2]
+try:
+    with world.guard(lambda: failures):
+        total = world.all_reduce(torch.tensor([float(world.rank + 1)]))
+        if world.rank == 1 and mode == "fail":
+            raise QuantkitError("shard-2.safetensors: tensor model.layers.3.mlp.experts.1.up_proj.weight is corrupt")
+        if world.rank == 1 and mode == "kill":
+            os.kill(os.getpid(), 9)
+        world.barrier()
+        agreed = world.agree(True)
+except QuantkitError as exc:
+    print(f"RESULT {world.rank} {exc}", flush=True)
+    sys.exit(2)
+print(f"RESULT {world.rank} ok sum={total.item():g} agree={agreed}", flush=True)
+world.stop()
