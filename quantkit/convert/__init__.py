@@ -11,6 +11,11 @@ resumes from the shards (and calibration layers) already finished and produces t
 step after the last shard is idempotent too (see `quantkit.convert.publish`). `OUT.partial/.quantkit.lock`
 keeps a second run off the same OUT; the kernel releases it when its process dies, so a killed run's
 lock is taken over. A free-space preflight refuses a run that cannot fit before anything is written.
+
+Under torchrun every rank runs `convert` (`quantkit.convert.ranks`): each validates the source, rank 0
+alone locks, resumes or discards OUT.partial, finalizes and publishes; the pending source shards are split
+across the ranks, and their journal entries are the one journal, so any world size resumes any run and
+writes the same bytes (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -46,7 +51,15 @@ from quantkit.convert.publish import (
     publish,
     run_identity,
 )
-from quantkit.convert.ranks import DIST_DIR, check_shared_dir, every_rank, on_main, rank_threads, write_nonce
+from quantkit.convert.ranks import (
+    DIST_DIR,
+    check_same_run,
+    check_shared_dir,
+    every_rank,
+    on_main,
+    rank_threads,
+    write_nonce,
+)
 from quantkit.convert.space import NeededBytes, planned_bytes, preflight
 from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_name
 from quantkit.distributed import World, clear_failures
@@ -127,6 +140,8 @@ def _convert(
         return source, plans, run_identity(source, recipe.model_dump(mode="json"))
 
     source, plans, identity = every_rank(world, validate)  # each rank reads the source itself: same errors
+    if world.size > 1:
+        check_same_run(world, identity, src)
     needed = planned_bytes(source, plans, recipe)
     calibration: CalibrationResult | None = None
     with ExitStack() as lock_held, _user_errors(partial, needed):

@@ -19,6 +19,8 @@ A shared file system is required (the part files of every rank end up in one `OU
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import secrets
 import socket
@@ -33,7 +35,7 @@ from quantkit.distributed import RankFailed, World
 from quantkit.durable import write_text_atomic
 from quantkit.errors import QuantkitError
 
-__all__ = ["DIST_DIR", "check_shared_dir", "every_rank", "on_main", "rank_threads", "write_nonce"]
+__all__ = ["DIST_DIR", "check_same_run", "check_shared_dir", "every_rank", "on_main", "rank_threads", "write_nonce"]
 
 T = TypeVar("T")
 DIST_DIR = "dist"  # OUT.partial/dist/: failure records of the ranks and the shared-filesystem nonce
@@ -82,6 +84,20 @@ def on_main(world: World, fn: Callable[[], T]) -> T:
     if error is not None:
         raise RankFailed(f"rank 0 of {world.size} failed: {error}")
     return value  # type: ignore[return-value]
+
+
+def check_same_run(world: World, identity: dict[str, object], src: Path) -> None:
+    """Every rank must see the same source, recipe and tool versions as rank 0 (e.g. nodes with another
+    copy of SRC or another quantkit install would otherwise write parts of two different runs)."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    main = world.all_gather_object(digest)[0]
+
+    def check() -> None:
+        if digest != main:
+            raise QuantkitError(f"{src}: rank {world.rank} on {socket.gethostname()} sees another source, recipe or "
+                                "tool version than rank 0 (every node needs the same SRC and quantkit install)")
+
+    every_rank(world, check)
 
 
 def rank_threads(world: World) -> None:
