@@ -1,12 +1,14 @@
 """One torchrun rank of `quantkit`, with faults a test can aim at one rank (run by torchrun as a script).
 
     torchrun --nproc-per-node N tests/rank_driver.py [--kill-rank R --before-journal K]
-             [--private-rank R --private-dir DIR] -- convert SRC OUT ...
+             [--private-rank R --private-dir DIR] [--rank-args R "ARG ..."] -- convert SRC OUT ...
 
 --kill-rank R --before-journal K   rank R SIGKILLs itself right before writing its K-th shard journal entry
                                    (a real kill -9 at a chosen instant, found with a Python audit hook)
 --private-rank R --private-dir DIR rank R sees its own empty tmpfs at DIR, as a rank on another node without a
                                    shared file system would (a Linux mount namespace; needs root)
+--rank-args R "ARG ..."            rank R appends these arguments to the command line (a node that would run
+                                   another recipe)
 
 Everything after `--` is the quantkit command line, run through the real entry point `quantkit.cli.main`.
 """
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--before-journal", type=int, default=1)
     ap.add_argument("--private-rank", type=int, default=1)
     ap.add_argument("--private-dir")
+    ap.add_argument("--rank-args", nargs=2)
     opts = ap.parse_args(argv[:split])
     rank = int(os.environ.get("RANK", "0"))
     if opts.private_dir and rank == opts.private_rank and not os.environ.get("_RANK_DRIVER_PRIVATE"):
@@ -52,7 +55,8 @@ def main() -> None:
                               sys.executable, *sys.argv])
     if opts.kill_rank == rank:
         _kill_before_journal(opts.before_journal)
-    sys.argv = ["quantkit", *argv[split + 1:]]
+    extra = opts.rank_args[1].split() if opts.rank_args and int(opts.rank_args[0]) == rank else []
+    sys.argv = ["quantkit", *argv[split + 1:], *extra]
     from quantkit.cli import main as quantkit_main
 
     quantkit_main()

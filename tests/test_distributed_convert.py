@@ -195,3 +195,17 @@ def test_output_not_shared_between_ranks_is_refused(source, tmp_path):
     assert "must be on a file system every node shares" in got[1][0]
     assert got[0] == [got[1][0].replace("error: ", "error: rank 1 of 2 failed: ", 1)]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_recipe_is_refused(source, tmp_path):
+    """Ranks that would write parts of two different runs into one OUT.partial stop before any work."""
+    out = tmp_path / "out"
+    launch = torchrun(2, ["convert", str(source), str(out), "--quiet"], tmp_path,
+                      driver=["--rank-args", "1", "--group-size 64"])
+    assert launch.exit_codes == {0: 2, 1: 2}, launch.agent[-3000:]
+    got = {rank: lines(err) for rank, err in launch.stderr.items()}
+    assert len(got[1]) == 1 and got[1][0].startswith(f"error: {source}: rank 1 on "), got
+    assert "sees another source, recipe or tool version than rank 0" in got[1][0]
+    assert got[0] == [got[1][0].replace("error: ", "error: rank 1 of 2 failed: ", 1)]
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
