@@ -56,8 +56,8 @@ from quantkit.convert.ranks import (
     check_same_run,
     check_shared_dir,
     every_rank,
+    join,
     on_main,
-    rank_threads,
     write_nonce,
 )
 from quantkit.convert.space import NeededBytes, planned_bytes, preflight
@@ -117,8 +117,7 @@ def convert(
     device = check_device(world.device(device))  # cuda:LOCAL_RANK for a rank of a CUDA run
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     partial = out_path.with_name(out_path.name + ".partial")
-    world.start()
-    rank_threads(world)
+    join(world)
     with world.guard(lambda: partial / DIST_DIR if partial.is_dir() else None):
         result = _convert(src_path, out_path, partial, recipe, workers, force, report, device, world)
     world.stop()

@@ -35,7 +35,7 @@ from quantkit.distributed import RankFailed, World
 from quantkit.durable import write_text_atomic
 from quantkit.errors import QuantkitError
 
-__all__ = ["DIST_DIR", "check_same_run", "check_shared_dir", "every_rank", "on_main", "rank_threads", "write_nonce"]
+__all__ = ["DIST_DIR", "check_same_run", "check_shared_dir", "every_rank", "join", "on_main", "write_nonce"]
 
 T = TypeVar("T")
 DIST_DIR = "dist"  # OUT.partial/dist/: failure records of the ranks and the shared-filesystem nonce
@@ -100,10 +100,18 @@ def check_same_run(world: World, identity: dict[str, object], src: Path) -> None
     every_rank(world, check)
 
 
-def rank_threads(world: World) -> None:
-    """Share the node's cores among its ranks: torch threads = cpus / ranks on this node (at least 1)."""
+def join(world: World) -> None:
+    """Join the process group (a one-line error when that fails), and share the node's cores among its
+    ranks: torch threads = cpus / ranks on this node, at least 1. A no-op for one process."""
     if world.size == 1:
         return
+    try:
+        world.start()
+    except (RuntimeError, OSError, ValueError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        message = " ".join(str(exc).split())[:300]
+        raise QuantkitError(f"rank {world.rank} of {world.size} could not join the {world.backend} process group "
+                            f"at {where}: {message}") from None
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
