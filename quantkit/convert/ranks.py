@@ -49,20 +49,22 @@ def every_rank(world: World, fn: Callable[[], T]) -> T:
     message. Errors other than QuantkitError are bugs: they propagate on their rank (the others then
     learn about it from `World.guard`).
     """
+    value: T | None = None
+    own: QuantkitError | None = None
     try:
-        value, error = fn(), None
+        value = fn()
     except QuantkitError as exc:
         if world.size == 1:
             raise
-        value, error, own = None, str(exc), exc
-    errors = world.all_gather_object(error)
-    if error is not None:
+        own = exc
+    errors = world.all_gather_object(None if own is None else str(own))
+    if own is not None:
         raise own
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
         raise RankFailed(f"rank {rank} of {world.size} failed: {message}")
-    return value  # type: ignore[return-value]  # error is None, so fn returned
+    return value  # type: ignore[return-value]  # fn returned on this rank
 
 
 def on_main(world: World, fn: Callable[[], T]) -> T:
