@@ -100,18 +100,24 @@ def convert_cmd(
     samples: Optional[int] = typer.Option(None, help="Calibration samples."),  # noqa: UP045
     seq_len: Optional[int] = typer.Option(None, help="Calibration sequence length."),  # noqa: UP045
     kv_cache: Optional[str] = typer.Option(None, help="fp8: calibrate and write FP8 KV-cache scales."),  # noqa: UP045
-    workers: int = typer.Option(1, min=1, help="Worker processes (one source shard each)."),
+    workers: int = typer.Option(1, min=1, help="Worker threads (one source shard each), per rank under torchrun."),
     device: str = typer.Option("cpu", help="Where RTN and calibration compute: cpu | cuda | cuda:N (same bytes)."),
     max_shard_size: Optional[str] = typer.Option(None, help="Largest output shard, e.g. 5GB."),  # noqa: UP045
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
     quiet: bool = typer.Option(False, help="No progress output."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Convert a checkpoint to SGLang/vLLM-loadable INT4 (W4A16 group-wise, compressed-tensors)."""
-    from quantkit.convert import convert
+    """Convert a checkpoint to SGLang/vLLM-loadable INT4 (W4A16 group-wise, compressed-tensors).
+
+    Under torchrun (`torchrun --nproc-per-node N -m quantkit convert ...`) every rank runs this command;
+    rank 0 alone prints progress and the summary (docs/distributed.md)."""
+    from quantkit.convert import check_device, convert
+    from quantkit.distributed import World
     from quantkit.hub.client import resolve_source
     from quantkit.recipe import load_recipe
 
+    world = World.from_env(check_device(device))
+    quiet = quiet or not world.is_main
     with RichReporter(quiet=quiet or as_json) as reporter:
         src = resolve_source(src, progress=reporter)
     config = _source_config(src)
@@ -120,7 +126,10 @@ def convert_cmd(
                  "max_shard_size": max_shard_size}
     resolved = load_recipe(recipe, config, overrides)
     with RichReporter(quiet=quiet or as_json) as reporter:
-        result = convert(src, out, resolved, workers=workers, force=force, reporter=reporter, device=device)
+        result = convert(src, out, resolved, workers=workers, force=force, reporter=reporter, device=device,
+                         world=world)
+    if not world.is_main:
+        return
     summary = {"out": str(result.out), "source_bytes": result.source_bytes, "output_bytes": result.output_bytes,
                "seconds": round(result.seconds, 2), "actions": result.actions, "resumed_shards": result.resumed_shards,
                "recipe": resolved.name, "warnings": result.warnings}

@@ -16,7 +16,9 @@ stopped answering. The work already published by any rank is kept; the rerun res
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -181,31 +183,39 @@ class World:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             yield
-        except RankFailed:
-            raise
-        except QuantkitError as exc:
+        except BaseException as exc:
+            # This rank is failing. The launcher sends SIGTERM to every rank once one has exited: it must not
+            # cut this rank's message short, so it stays ignored until the process exits.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            failure = self._explain(exc, failure_dir)
+            if failure is None:
+                raise
+            raise failure from None
+        signal.signal(signal.SIGTERM, previous)
+
+    def _explain(self, exc: BaseException, failure_dir: Callable[[], Path | None]) -> RankFailed | None:
+        """The error to raise instead of `exc` (None: re-raise `exc`, after recording it for the others)."""
+        if isinstance(exc, RankFailed):
+            return None
+        if isinstance(exc, QuantkitError):
             _record(failure_dir(), self.rank, str(exc))
-            raise
-        except (RuntimeError, _Terminated, ConnectionError) as exc:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop must not cut the message short
+            return None
+        if isinstance(exc, (RuntimeError, _Terminated, ConnectionError)):
             other = _read_failure(failure_dir(), self.rank)
             if other is not None:
-                raise RankFailed(f"rank {other[0]} of {self.size} failed: {other[1]}") from None
+                return RankFailed(f"rank {other[0]} of {self.size} failed: {other[1]}")
             if isinstance(exc, _Terminated):
-                raise RankFailed(f"rank {self.rank} of {self.size} was stopped by the launcher "
-                                 "(another rank exited); rerun the same command to resume") from None
-            message = " ".join(str(exc).split())[:300]
+                return RankFailed(f"another rank of {self.size} exited without a message (killed?), so the launcher "
+                                  f"stopped rank {self.rank}; rerun the same command to resume")
+            message = _clean(str(exc))
             if _is_peer_loss(message):
-                raise RankFailed(f"another rank of {self.size} stopped answering (killed?): {message}; "
-                                 "rerun the same command to resume") from None
+                return RankFailed(f"another rank of {self.size} stopped answering (killed?): {message}; "
+                                  "rerun the same command to resume")
             _record(failure_dir(), self.rank, f"internal error: {type(exc).__name__}: {message}")
-            raise
-        except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt):
-                _record(failure_dir(), self.rank, f"internal error: {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+            return None
+        if not isinstance(exc, KeyboardInterrupt):
+            _record(failure_dir(), self.rank, f"internal error: {type(exc).__name__}: {exc}")
+        return None
 
 
 SINGLE = World()
@@ -216,7 +226,14 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(_signum: int, _frame: object) -> None:
-    raise _Terminated()
+    if sys.exc_info()[0] is None:  # while an error is being handled, that error is the one to report
+        raise _Terminated()
+
+
+def _clean(message: str) -> str:
+    """A collective's error on one short line: without gloo's source location and advice."""
+    message = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", " ".join(message.split()))
+    return message.split(" This is typically caused by")[0].strip()[:300]
 
 
 def _is_peer_loss(message: str) -> bool:

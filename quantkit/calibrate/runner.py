@@ -39,6 +39,7 @@ from quantkit.calibrate.kv import KVStats, StatCache
 from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
 from quantkit.checkpoint.source import SourceCheckpoint
+from quantkit.distributed import SINGLE, World
 from quantkit.durable import write_json_atomic
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4
@@ -67,12 +68,14 @@ class RunOptions:
 
 
 def calibrate(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Progress | None = None,
-              device: str | None = None) -> CalibrationResult:
+              device: str | None = None, world: World = SINGLE) -> CalibrationResult:
     """The converter's entry point: GPTQ (when `recipe.method == "gptq"`) and/or KV statistics.
 
     `device` None picks CUDA when present (calibration is forward passes and GPTQ: a GPU helps); the
-    converter passes its `--device`.
+    converter passes its `--device`. `world`: the ranks of a torchrun run (every rank calls this).
     """
+    if world.size > 1:
+        raise QuantkitError("distributed calibration is not in this build: run GPTQ/KV calibration in one process")
     opts = RunOptions(quantize=recipe.method == "gptq", device=device)
     return run(source, recipe, Path(work_dir), progress, opts)
 

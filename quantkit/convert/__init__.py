@@ -11,6 +11,11 @@ resumes from the shards (and calibration layers) already finished and produces t
 step after the last shard is idempotent too (see `quantkit.convert.publish`). `OUT.partial/.quantkit.lock`
 keeps a second run off the same OUT; the kernel releases it when its process dies, so a killed run's
 lock is taken over. A free-space preflight refuses a run that cannot fit before anything is written.
+
+Under torchrun every rank runs `convert` (`quantkit.convert.ranks`): each validates the source, rank 0
+alone locks, resumes or discards OUT.partial, finalizes and publishes; the pending source shards are split
+across the ranks, and their journal entries are the one journal, so any world size resumes any run and
+writes the same bytes (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -44,8 +51,18 @@ from quantkit.convert.publish import (
     publish,
     run_identity,
 )
-from quantkit.convert.space import planned_bytes, preflight
+from quantkit.convert.ranks import (
+    DIST_DIR,
+    check_same_run,
+    check_shared_dir,
+    every_rank,
+    join,
+    on_main,
+    write_nonce,
+)
+from quantkit.convert.space import NeededBytes, planned_bytes, preflight
 from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_name
+from quantkit.distributed import World, clear_failures
 from quantkit.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
 from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_roles
 from quantkit.errors import QuantkitError
@@ -83,76 +100,133 @@ def convert(
     force: bool = False,
     reporter: Reporter | None = None,
     device: str = "cpu",
+    world: World | None = None,
 ) -> ConvertResult:
     """Convert SRC into an INT4 compressed-tensors checkpoint at OUT (see module docstring).
 
     `device` is where RTN and calibration compute ("cpu", "cuda", "cuda:1"); every device writes the same
     bytes for RTN (the CPU uses fused kernels, other devices torch ops, both bit-identical).
+    `world` is the set of ranks this process is one of: None reads torchrun's environment
+    (`World.from_env`; one process outside torchrun). Every rank calls `convert` with the same arguments;
+    rank 0 alone reports progress, holds the lock and publishes (docs/distributed.md).
     """
     started = time.perf_counter()
-    report = reporter or Silent()
     device = check_device(device)
+    world = World.from_env(device) if world is None else world
+    report = (reporter or Silent()) if world.is_main else Silent()
+    device = check_device(world.device(device))  # cuda:LOCAL_RANK for a rank of a CUDA run
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
-    _check_paths(src_path, out_path)
-    source = open_source(src_path)
-    check_recipe_loadable(source.adapter, recipe)
-    plans = plan_conversion(source, recipe)
-    identity = run_identity(source, recipe.model_dump(mode="json"))
-    _check_out(out_path, identity, force)
     partial = out_path.with_name(out_path.name + ".partial")
+    join(world)
+    with world.guard(lambda: partial / DIST_DIR if partial.is_dir() else None):
+        result = _convert(src_path, out_path, partial, recipe, workers, force, report, device, world)
+    world.stop()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _convert(
+    src: Path, out: Path, partial: Path, recipe: Recipe, workers: int, force: bool, report: Reporter, device: str,
+    world: World,
+) -> ConvertResult:
+    """The run's steps, in the same order on every rank (see `quantkit.convert.ranks`)."""
+
+    def validate() -> tuple[SourceCheckpoint, dict[str, list[TensorPlan]], dict[str, Any]]:
+        _check_paths(src, out)
+        source = open_source(src)
+        check_recipe_loadable(source.adapter, recipe)
+        plans = plan_conversion(source, recipe)
+        return source, plans, run_identity(source, recipe.model_dump(mode="json"))
+
+    source, plans, identity = every_rank(world, validate)  # each rank reads the source itself: same errors
+    if world.size > 1:
+        check_same_run(world, identity, src)
     needed = planned_bytes(source, plans, recipe)
-    preflight(partial, needed, _resumable(partial, identity))
-    lock = RunLock(partial)
-    created = not partial.exists()
-    try:
-        with lock.held():
-            if out_path.exists() and not force:  # published by another run while we waited for the lock
-                if created:
-                    shutil.rmtree(partial, ignore_errors=True)
-                _check_out(out_path, identity, force)
-            if lock.previous_owner:
-                report.note(f"taking over {partial.name} from a run that stopped ({lock.previous_owner})")
-            resumed, calibration = _convert_locked(source, plans, recipe, identity, partial, out_path, workers, force,
-                                                   report, device)
-    except OSError as exc:
-        if is_no_space(exc):
-            raise no_space_error(exc, partial, max(needed.total - tree_bytes(partial), 1)) from None
-        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
-            raise QuantkitError(f"{exc.filename or partial}: cannot write ({exc.strerror})") from None
-        raise
+    calibration: CalibrationResult | None = None
+    with ExitStack() as lock_held, _user_errors(partial, needed):
+        start = on_main(world, lambda: _start(source, identity, partial, out, force, needed, report, world,
+                                              lock_held))
+        if not start["published"]:
+            if world.size > 1:
+                check_shared_dir(world, partial / DIST_DIR, start["nonce"])
+            calibration = _convert_shards(source, plans, recipe, partial, set(start["done"]), workers, report,
+                                          device, world)
+            world.barrier()  # every rank's shards are journaled; a rank that failed never arrives (World.guard)
+            on_main(world, lambda: _finish(source, plans, recipe, identity, partial, out, force, calibration))
     actions: dict[TensorAction, int] = {}
     for plan in (p for ps in plans.values() for p in ps):
         actions[plan.action] = actions.get(plan.action, 0) + 1
     return ConvertResult(
-        out_path, source.source_bytes, _output_bytes(out_path), time.perf_counter() - started, actions, resumed,
-        list(source.warnings), calibration.summary() if calibration is not None else "",
+        out, source.source_bytes, _output_bytes(out), 0.0, actions, len(start["done"]), list(source.warnings),
+        calibration.summary() if calibration is not None else "",
     )
 
 
+class _Start(TypedDict):
+    """What rank 0 decided before the work starts (sent to every rank)."""
 
-def _convert_locked(
-    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: dict[str, Any],
-    partial: Path, out: Path, workers: int, force: bool, report: Reporter, device: str,
-) -> tuple[int, CalibrationResult | None]:
-    """Everything that writes, under the run lock: shards, calibration, finalize, metadata, publish."""
+    published: bool  # the partial held a finished conversion: rank 0 just published it
+    done: list[int]  # source shards already journaled by an earlier run (any world size)
+    nonce: str  # written to OUT.partial/dist/ for the shared-filesystem check ("" for one process)
+
+
+def _start(
+    source: SourceCheckpoint, identity: dict[str, Any], partial: Path, out: Path, force: bool, needed: NeededBytes,
+    report: Reporter, world: World, lock_held: ExitStack,
+) -> _Start:
+    """Rank 0: OUT checks, free-space preflight, the run lock (kept in `lock_held` until the end), then
+    resume or discard OUT.partial; with several ranks, clear old failure records and write the nonce."""
+    _check_out(out, identity, force)
+    preflight(partial, needed, _resumable(partial, identity))
+    lock = RunLock(partial)
+    created = not partial.exists()
+    lock_held.enter_context(lock.held())
+    if out.exists() and not force:  # published by another run while we waited for the lock
+        if created:
+            shutil.rmtree(partial, ignore_errors=True)
+        _check_out(out, identity, force)
+    if lock.previous_owner:
+        report.note(f"taking over {partial.name} from a run that stopped ({lock.previous_owner})")
     if is_finished(partial, identity):  # killed after the metadata was complete: only publishing is left
         report.note(f"resuming: {partial.name} holds a finished conversion; publishing it")
         write_card(partial)  # deterministic from quantkit.json: a kill before it was written loses nothing
         publish(partial, out, force)
-        return len(source.shard_files), None
+        return {"published": True, "done": list(range(len(source.shard_files))), "nonce": ""}
     done = _prepare_partial(partial, source, identity, report)
+    nonce = ""
+    if world.size > 1:
+        clear_failures(partial / DIST_DIR)
+        nonce = write_nonce(partial / DIST_DIR)
+    return {"published": False, "done": sorted(done), "nonce": nonce}
+
+
+def _convert_shards(
+    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, partial: Path, done: set[int],
+    workers: int, report: Reporter, device: str, world: World,
+) -> CalibrationResult | None:
+    """Every rank: calibration (when the recipe calibrates), then this rank's share of the pending shards."""
     calibration: CalibrationResult | None = None
     if recipe.needs_calibration:
         from quantkit.calibrate.runner import calibrate
 
         report.stage("calibrating layer by layer")
-        calibration = calibrate(source, recipe, partial / "calibration", progress=report.note, device=device)
-
+        calibration = calibrate(source, recipe, partial / "calibration", progress=report.note, device=device,
+                                world=world)
     jobs = [ShardJob(i, s, plans[s], partial, recipe, device) for i, s in enumerate(source.shard_files)
             if i not in done]
-    report.stage("converting shards", total=sum(p.source.nbytes for j in jobs for p in j.plans))
-    _run_jobs(source, jobs, calibration, workers, report)
+    mine = [jobs[k] for k in world.balanced([sum(p.source.nbytes for p in j.plans) for j in jobs])]
+    if world.size > 1:
+        report.note(f"{world.size} ranks: rank 0 converts {len(mine)} of the {len(jobs)} shards left")
+    report.stage("converting shards", total=sum(p.source.nbytes for j in mine for p in j.plans))
+    _run_jobs(source, mine, calibration, workers, report)
+    return calibration
 
+
+def _finish(
+    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: dict[str, Any],
+    partial: Path, out: Path, force: bool, calibration: CalibrationResult | None,
+) -> None:
+    """Rank 0, once every shard is journaled: final shard names, metadata, card, publish."""
     journal = [_read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
         journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
@@ -160,7 +234,19 @@ def _convert_locked(
     _write_metadata(source, recipe, plans, partial, weight_map, calibration, identity)
     write_card(partial)  # README.md from quantkit.json; the source's README kept as README.source.md
     publish(partial, out, force)
-    return len(done), calibration
+
+
+@contextmanager
+def _user_errors(partial: Path, needed: NeededBytes) -> Iterator[None]:
+    """A full disk or an unwritable output becomes a one-line QuantkitError naming the path."""
+    try:
+        yield
+    except OSError as exc:
+        if is_no_space(exc):
+            raise no_space_error(exc, partial, max(needed.total - tree_bytes(partial), 1)) from None
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            raise QuantkitError(f"{exc.filename or partial}: cannot write ({exc.strerror})") from None
+        raise
 
 
 def check_device(device: str) -> str:

@@ -31,7 +31,7 @@ __all__ = ["WORK_DIRS", "carry_over_files", "finalize_shards", "is_finished", "p
 
 RECIPE_FILE = "quantkit_recipe.yaml"
 MANIFEST_FILE = "quantkit.json"
-WORK_DIRS = ("parts", "calibration", "journal")  # removed before publishing; the journal last
+WORK_DIRS = ("parts", "calibration", "dist", "journal")  # removed before publishing; the journal last
 
 
 def source_fingerprint(source: SourceCheckpoint) -> str:
