@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
+from quantkit.calibrate.memory import release_free_memory
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
 from quantkit.recipe import GPTQSettings
@@ -72,7 +73,7 @@ class ExpertMoE(nn.Module):
             shared.load_state_dict(_read(source, base + "shared_experts.", shared), strict=True, assign=True)
         n, dtype = int(cfg.n_routed_experts), source.model_dtype
         experts = [
-            {p: source.read(f"{base}experts.{e}.{p}.weight", torch.float32).to(dtype) for p in PROJS}
+            {p: source.read(f"{base}experts.{e}.{p}.weight", dtype) for p in PROJS}  # no fp32 copy
             for e in range(n)
         ]
         return cls(gate, shared, experts, hf_moe.experts.act_fn)
@@ -230,6 +231,8 @@ def quantize_experts(
                                 settings.scale_search)
         for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
             finish(e, "down_proj", q, s, factor, h)
+        del hessians, factors, results
+        release_free_memory()  # the chunk's work and the source weights it replaced
 
     inter = moe.experts[0]["gate_proj"].shape[0]
     weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
@@ -243,6 +246,8 @@ def quantize_experts(
             for i, e in enumerate(chunk):
                 _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
                                 factor, h, count)
+            del q, s
+            release_free_memory()
     else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
         for chunk in _chunks(n, 2 * inter):
             hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
@@ -252,6 +257,8 @@ def quantize_experts(
             del rows
             for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
                 _finish_gate_up(e, q, s, factor, h, count)
+            del hessians, factors, results
+            release_free_memory()
     return packed, records
 
 

@@ -36,6 +36,7 @@ from quantkit.arch import Adapter, KVLayout, Role, family_for
 from quantkit.calibrate import layers as L
 from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.kv import KVStats, StatCache
+from quantkit.calibrate.memory import release_free_memory
 from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
 from quantkit.checkpoint.source import SourceCheckpoint
@@ -238,6 +239,7 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     module = L.build_layer(source, cfg, layer, adapter.prefix).to(device)
     if hasattr(source, "close"):
         source.close()  # unmap the shards just read: their pages would otherwise stay in this process's RSS
+    release_free_memory()  # at each phase boundary: what the phase freed leaves the RSS (memory.py)
     moe = module.mlp if isinstance(getattr(module, "mlp", None), ExpertMoE) else None
     quantize_moe = moe is not None and Role.ROUTED_EXPERT in roles
     linears = _target_linears(module, base, adapter, roles)
@@ -252,6 +254,7 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
         _forward_all(module, rope, acts, cfg, device, None, None)
         for h in hooks:
             h.remove()
+        release_free_memory()
         dtype = source.model_dtype
         if quantize_moe:
             p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size, recipe.gptq, dtype)
@@ -260,6 +263,8 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
         for name, lin in linears.items():
             packed[base + name], rec = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype)
             modules.append({"layer": layer, "module": base + name, **rec})
+        del hessians  # pass-1 statistics are not needed by pass 2
+        release_free_memory()
     last = layer == adapter.num_layers - 1
     stats = KVStats(kv_layout) if kv_layout else None
     writer = None if last else ActsWriter(work_dir / f"acts_{layer + 1:04d}")
@@ -268,6 +273,8 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     if writer is not None:
         writer.close()
     _save_layer(work_dir, layer, packed, coverage, modules, stats)
+    del module, packed
+    release_free_memory()
 
 
 def _target_linears(module: nn.Module, base: str, adapter: Adapter, roles: set[Role]) -> dict[str, nn.Linear]:
