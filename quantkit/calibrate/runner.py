@@ -236,7 +236,9 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
                roles: set[Role], kv_layout: str | None, opts: RunOptions, device: torch.device) -> None:
     adapter = source.adapter
     base = f"{adapter.prefix}model.layers.{layer}."
-    module = L.build_layer(source, cfg, layer, adapter.prefix).to(device)
+    # with the MoE inputs kept, the statistics pass needs no routed expert: they are read as GPTQ needs them
+    keep_inputs = Role.ROUTED_EXPERT in roles and acts.cached is not None and opts.all_experts
+    module = L.build_layer(source, cfg, layer, adapter.prefix, lazy_experts=keep_inputs).to(device)
     if hasattr(source, "close"):
         source.close()  # unmap the shards just read: their pages would otherwise stay in this process's RSS
     release_free_memory()  # at each phase boundary: what the phase freed leaves the RSS (memory.py)
@@ -250,7 +252,8 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
         hessians = {name: HessianAccumulator(lin.in_features, device) for name, lin in linears.items()}
         hooks = [lin.register_forward_pre_hook(_hessian_hook(hessians[name])) for name, lin in linears.items()]
         if quantize_moe:  # MoE inputs kept (not one Hessian per expert) when the activations fit in RAM
-            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=acts.cached is not None)
+            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=keep_inputs,
+                                 outputs=not keep_inputs)
         _forward_all(module, rope, acts, cfg, device, None, None)
         for h in hooks:
             h.remove()
