@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--tensors", action="store_true", help="also count live tensor bytes (slow: scans the heap)")
     ap.add_argument("--trim", action="store_true", help="glibc malloc_trim(0) at every phase boundary")
+    ap.add_argument("--no-chunk-trim", action="store_true",
+                    help="no malloc_trim between GPTQ chunks (what those trims buy, and cost)")
     a = ap.parse_args()
 
     import shutil
@@ -139,6 +141,8 @@ def main() -> None:
     from quantkit.recipe import Recipe
 
     torch.set_num_threads(a.threads)
+    if a.no_chunk_trim:
+        moe.release_free_memory = lambda: False
     tok = AutoTokenizer.from_pretrained(a.src)
     tokens = calibration_tokens(REPO / "calibration_data/default.jsonl", tok, a.samples, a.seq_len, 0)
     recipe = Recipe(method="gptq", calibration={"samples": a.samples, "seq_len": a.seq_len, "seed": 0})
