@@ -29,16 +29,22 @@ PY = sys.executable
 
 
 def _timed(cmd: list[str], threads: int) -> dict[str, float]:
-    """Run `cmd` in a fresh process; wall seconds and its output (which ends with its peak RSS)."""
+    """Run `cmd` in a fresh process; wall seconds, CPU seconds (user + system) and its output (which ends
+    with its peak RSS)."""
+    import resource
+
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate()
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode:
         print(out[-3000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return {"wall_s": wall, "log": out[-2000:]}
+    return {"wall_s": wall, "cpu_s": cpu, "log": out[-2000:]}
 
 
 def _rss_wrapper(code: str) -> list[str]:
@@ -218,12 +224,13 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
     for name, code in runs if not only else [r for r in runs if r[0] in only]:
         shutil.rmtree(root / ("ours" if name == "quantkit" else "oneshot"), ignore_errors=True)
         r = _timed(_rss_wrapper(code), threads)
-        res[name] = {"wall_s": r["wall_s"], "peak_rss_gib": _peak(r["log"])}
+        res[name] = {"wall_s": r["wall_s"], "cpu_s": r["cpu_s"], "peak_rss_gib": _peak(r["log"])}
         if "BASE_RSS_KIB" in r["log"]:
             res[name]["baseline_rss_gib"] = _peak(r["log"], "BASE_RSS_KIB")
             res[name]["peak_after_baseline_gib"] = _peak(r["log"], "HWM_RSS_KIB")
         (RESULTS / f"speed_{name.replace(' ', '_')}.log").write_text(r["log"])
-        print(f"{name:<15} wall {r['wall_s']:8.1f} s   peak RSS {res[name]['peak_rss_gib']:6.2f} GiB", flush=True)
+        print(f"{name:<15} wall {r['wall_s']:8.1f} s   CPU {r['cpu_s']:8.1f} s   peak RSS "
+              f"{res[name]['peak_rss_gib']:6.2f} GiB", flush=True)
     from quantkit.checkpoint.source import open_source
 
     hidden = config["hidden_size"]

@@ -126,3 +126,68 @@ def test_routed_token_weighting_weights_routed_tokens(layer):
     hd, _ = moe.down_hessian(e, 4.0)
     a = moe._inner(e, x)
     assert torch.allclose(hd, (a * weight[:, None]).t() @ a / len(x), rtol=1e-4, atol=1e-6)
+
+
+def _quantize_counting_held(moe: ExpertMoE, source, monkeypatch) -> tuple[dict[str, PackedInt4], int]:
+    """quantize_experts on 2-expert chunks; the most routed-expert weights held unquantized at once."""
+    import quantkit.calibrate.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_ROWS_PER_CHUNK", 2 * 128)  # 2 experts per chunk (tiny: 128 rows each)
+    held = [0]
+    load = moe.load
+
+    def counting_load(experts, projs):
+        load(experts, projs)
+        held[0] = max(held[0], sum(isinstance(w, torch.Tensor) for e in moe.experts for w in e.values()))
+
+    monkeypatch.setattr(moe, "load", counting_load)
+    packed, _ = quantize_experts(moe, "x.", 1, 32, GPTQSettings(), source.model_dtype)
+    return packed, held[0]
+
+
+def test_lazy_experts_are_read_a_chunk_at_a_time_with_identical_results(layer, monkeypatch):
+    """Memory regression guard: with kept inputs the statistics pass needs no routed expert, GPTQ reads
+    one chunk of experts at a time and drops each source weight once packed; results are unchanged."""
+    from quantkit.calibrate.moe import SourceWeight
+
+    source, cfg, _ = layer
+    eager = _collect(L.build_layer(source, cfg, 1, source.adapter.prefix), cfg, keep_inputs=True)
+    lazy_layer = L.build_layer(source, cfg, 1, source.adapter.prefix, lazy_experts=True)
+    assert all(isinstance(w, SourceWeight) for e in lazy_layer.mlp.experts for w in e.values())
+    lazy = lazy_layer.mlp
+    lazy.start_collecting("all", keep_inputs=True, outputs=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(2):
+            lazy(torch.randn(2, 32, cfg.hidden_size, generator=g))
+    # the statistics pass read no routed expert
+    assert all(isinstance(w, SourceWeight) for e in lazy.experts for w in e.values())
+    assert torch.equal(lazy.routed_tokens, eager.routed_tokens)
+    want, held_eager = _quantize_counting_held(eager, source, monkeypatch)
+    got, held_lazy = _quantize_counting_held(lazy, source, monkeypatch)
+    assert held_eager == 3 * len(eager.experts)  # the eager layer holds every expert until it is packed
+    assert held_lazy <= 3 * 2  # a 2-expert chunk at most (down first, then gate/up; packed ones dropped)
+    assert all(isinstance(w, PackedInt4) for e in lazy.experts for w in e.values())
+    assert want.keys() == got.keys()
+    for name in want:
+        for part in ("weight_packed", "weight_scale", "weight_shape"):
+            a, b = getattr(want[name], part), getattr(got[name], part)
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, part)
+
+
+def test_runner_releases_free_memory_at_phase_boundaries(layer, tmp_path, monkeypatch):
+    """Each calibrated layer returns the allocator's free memory at its phase boundaries (glibc malloc_trim)."""
+    import quantkit.calibrate.moe as moe_module
+    import quantkit.calibrate.runner as runner
+    from quantkit.calibrate.memory import release_free_memory
+
+    assert isinstance(release_free_memory(), bool)
+    calls = []
+    monkeypatch.setattr(runner, "release_free_memory", lambda: calls.append("runner") or True)
+    monkeypatch.setattr(moe_module, "release_free_memory", lambda: calls.append("moe") or True)
+    source = layer[0]
+    tokens = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
+    runner.run(source, Recipe(method="gptq", calibration={"samples": 4, "seq_len": 32}), tmp_path / "w", None,
+               runner.RunOptions(tokens=tokens, threads=1))
+    layers = source.adapter.num_layers
+    assert calls.count("runner") >= 4 * layers and calls.count("moe") >= 2 * layers

@@ -141,24 +141,38 @@ def quantize_many(
         if f.hinv is None:
             out[i] = quantize_rtn(ws[i], group_size, scale_dtype)
     if todo:
-        # the weights as a checkpoint in the model dtype holds them (what RTN quantizes too), and their
-        # static group scales, fixed before any GPTQ update
-        work = torch.stack([ws[i].to(scale_dtype).to(torch.float32) for i in todo])  # [B, out, in]
-        if scale_search == "mse":
-            scales = [mse_group_scales(w, group_size, scale_dtype, col_weight=factors[i].diag)
-                      for w, i in zip(work, todo, strict=True)]
-        else:
-            scales = [group_scales(w, group_size, scale_dtype) for w in work]
-        dead = torch.stack([factors[i].dead for i in todo]).to(work.device)
-        work.masked_fill_(dead.unsqueeze(1), 0)
-        perm = _perms(factors, todo, work.shape[2]).to(work.device)
-        work = _take_cols(work, perm)
+        scales = [_static_scales(ws[i], factors[i], group_size, scale_dtype, scale_search) for i in todo]
+        perm = _perms(factors, todo, ws[todo[0]].shape[1]).to(ws[todo[0]].device)
+        work = _permuted_work(ws, factors, todo, perm, scale_dtype)
         hinv = torch.stack([factors[i].hinv for i in todo])
         codes = _gptq_loop(work, torch.stack(scales), perm // group_size, hinv, block_size)
         codes = _take_cols(codes, torch.argsort(perm, dim=1))
         for j, i in enumerate(todo):
             out[i] = (codes[j], scales[j].to(scale_dtype))
     return out  # type: ignore[return-value]
+
+
+def _static_scales(w: torch.Tensor, factor: Factor, group_size: int, scale_dtype: torch.dtype,
+                   scale_search: ScaleSearch) -> torch.Tensor:
+    """The group scales of `w` as a checkpoint in `scale_dtype` holds it (what RTN quantizes too), fixed
+    before any GPTQ update."""
+    w = w.to(scale_dtype)
+    if scale_search == "mse":
+        return mse_group_scales(w, group_size, scale_dtype, col_weight=factor.diag)
+    return group_scales(w, group_size, scale_dtype)
+
+
+def _permuted_work(ws: list[torch.Tensor], factors: list[Factor], todo: list[int], perm: torch.Tensor,
+                   scale_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `[B, out, in]`: each weight rounded to `scale_dtype`, dead columns zeroed, columns in processing
+    order. Filled one weight at a time from a permuted copy in `scale_dtype`: the only full-size fp32
+    tensor is the result (the values are the same as upcasting, masking, then permuting)."""
+    rows, cols = ws[todo[0]].shape
+    work = torch.empty(len(todo), rows, cols, dtype=torch.float32, device=ws[todo[0]].device)
+    for j, i in enumerate(todo):
+        work[j].copy_(torch.index_select(ws[i].to(scale_dtype), 1, perm[j]))
+        work[j].masked_fill_(factors[i].dead.to(work.device)[perm[j]], 0)
+    return work
 
 
 def _perms(factors: list[Factor], todo: list[int], cols: int) -> torch.Tensor:

@@ -64,9 +64,10 @@ def causal_mask(batch: int, seq: int) -> torch.Tensor:
     return torch.ones(seq, seq, dtype=torch.bool).tril_().expand(batch, 1, seq, seq)
 
 
-def build_layer(source: SourceCheckpoint, cfg: PretrainedConfig, layer: int, prefix: str = "") -> nn.Module:
+def build_layer(source: SourceCheckpoint, cfg: PretrainedConfig, layer: int, prefix: str = "",
+                lazy_experts: bool = False) -> nn.Module:
     """Decoder layer `layer` with weights from `source` (fp32; routed experts as `ExpertMoE`, held in the
-    model dtype)."""
+    model dtype, or left in the source until GPTQ reads them with `lazy_experts`)."""
     from quantkit.calibrate.moe import ExpertMoE
 
     with torch.device("meta"):
@@ -77,7 +78,7 @@ def build_layer(source: SourceCheckpoint, cfg: PretrainedConfig, layer: int, pre
         raise QuantkitError(f"{source.root}: no tensors for decoder layer {layer}")
     mlp = getattr(module, "mlp", None)
     if mlp is not None and hasattr(mlp, "experts"):
-        module.mlp = ExpertMoE.from_source(source, cfg, base + "mlp.", mlp)
+        module.mlp = ExpertMoE.from_source(source, cfg, base + "mlp.", mlp, lazy_experts)
     state: dict[str, torch.Tensor] = {}
     for name in names:
         rest = name[len(base) :]

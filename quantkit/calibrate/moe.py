@@ -20,13 +20,15 @@ reconstruction error `||WX - QX|| / ||WX||` (and what RTN would have given).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
+from quantkit.calibrate.memory import release_free_memory
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
 from quantkit.recipe import GPTQSettings
@@ -39,7 +41,22 @@ __all__ = ["ExpertMoE", "quantize_experts"]
 PROJS = ("gate_proj", "up_proj", "down_proj")
 _ROWS_PER_CHUNK = 4096  # rows of stacked expert weights quantized in one GPTQ call (bounds memory)
 Collect = Literal["all", "routed"]  # every token through every expert, or only the routed ones
-ExpertWeight = torch.Tensor | PackedInt4
+
+
+@dataclass(frozen=True)
+class SourceWeight:
+    """An expert weight not read yet: where it is in the source, its shape, the dtype it is held in."""
+
+    source: SourceCheckpoint
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def read(self, device: torch.device) -> torch.Tensor:
+        return self.source.read(self.name, self.dtype).to(device)
+
+
+ExpertWeight = torch.Tensor | PackedInt4 | SourceWeight
 
 
 class ExpertMoE(nn.Module):
@@ -61,20 +78,28 @@ class ExpertMoE(nn.Module):
         self.h_down: list[HessianAccumulator] = []
         self.inputs: list[torch.Tensor] | None = None  # MoE inputs kept (mode "all", when they fit)
         self.routes: list[torch.Tensor] = []  # their top-k expert indices, for routed-token weighting
+        self.outputs = True  # False while collecting: routed experts skipped, the output is not the model's
 
     @classmethod
-    def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module) -> ExpertMoE:
-        """Load router, shared experts and per-expert weights (names under `base` = `...mlp.`)."""
+    def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module,
+                    lazy: bool = False) -> ExpertMoE:
+        """Load router, shared experts and per-expert weights (names under `base` = `...mlp.`).
+
+        `lazy`: the routed experts are left in the source (`SourceWeight`) and read when GPTQ reaches
+        them (`load`), so a layer never holds all of them unquantized: for a statistics pass that keeps
+        the MoE inputs and skips the routed experts (`start_collecting(outputs=False)`)."""
         gate = hf_moe.gate
         gate.load_state_dict(_read(source, base + "gate.", gate), strict=True, assign=True)
         shared = getattr(hf_moe, "shared_experts", None)
         if shared is not None:
             shared.load_state_dict(_read(source, base + "shared_experts.", shared), strict=True, assign=True)
         n, dtype = int(cfg.n_routed_experts), source.model_dtype
-        experts = [
-            {p: source.read(f"{base}experts.{e}.{p}.weight", torch.float32).to(dtype) for p in PROJS}
-            for e in range(n)
-        ]
+        def weight(name: str) -> torch.Tensor | SourceWeight:
+            if lazy:
+                return SourceWeight(source, name, dtype, torch.Size(source.logical[name].shape))
+            return source.read(name, dtype)  # straight in the model dtype: no fp32 copy
+
+        experts = [{p: weight(f"{base}experts.{e}.{p}.weight") for p in PROJS} for e in range(n)]
         return cls(gate, shared, experts, hf_moe.experts.act_fn)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ExpertMoE:
@@ -84,23 +109,47 @@ class ExpertMoE(nn.Module):
         return self
 
     # ---- weights ---------------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        """Where the experts run: an expert weight's device, else the router's (lazy experts)."""
+        w = self.experts[0]["gate_proj"]
+        if isinstance(w, torch.Tensor):
+            return w.device
+        if isinstance(w, PackedInt4):
+            return w.weight_packed.device
+        return next(iter(self.gate.parameters()), torch.empty(0)).device
+
     def weight(self, e: int, proj: str) -> torch.Tensor:
-        """Expert `e`'s `proj` weight in fp32 (dequantized when already quantized)."""
+        """Expert `e`'s `proj` weight in fp32 (dequantized when already quantized, read when still lazy)."""
         w = self.experts[e][proj]
         if isinstance(w, PackedInt4):
             return dequantize_group(unpack_nibbles(w.weight_packed), w.weight_scale, self.group_size)
+        if isinstance(w, SourceWeight):
+            return w.read(self._device()).float()
         return w.float()
 
-    def _inner(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """The down_proj input of expert `e` for tokens `x`: act(x Wg^T) * (x Wu^T)."""
-        return self.act(x @ self.weight(e, "gate_proj").t()) * (x @ self.weight(e, "up_proj").t())
+    def load(self, experts: Iterable[int], projs: Iterable[str]) -> None:
+        """Read the lazy weights `projs` of `experts` from the source (no-op for those already held)."""
+        for e in experts:
+            for p in projs:
+                w = self.experts[e][p]
+                if isinstance(w, SourceWeight):
+                    self.experts[e][p] = w.read(self._device())
+
+    def _inner(self, e: int, x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """The down_proj input of expert `e` for tokens `x`: act(x Wg^T) * (x Wu^T) (`gate_up`: the fp32
+        weights, when the caller holds them)."""
+        wg, wu = gate_up or (self.weight(e, "gate_proj"), self.weight(e, "up_proj"))
+        return self.act(x @ wg.t()) * (x @ wu.t())
 
     # ---- statistics ------------------------------------------------------------------------------
-    def start_collecting(self, mode: Collect = "all", keep_inputs: bool = False) -> None:
+    def start_collecting(self, mode: Collect = "all", keep_inputs: bool = False, outputs: bool = True) -> None:
         """Collect Hessians on the next forwards; `keep_inputs` (mode "all") keeps the MoE inputs instead of
-        accumulating a down_proj Hessian per expert — use it when the calibration activations fit in RAM."""
+        accumulating a down_proj Hessian per expert — use it when the calibration activations fit in RAM.
+        `outputs=False` (with kept inputs) skips the routed experts: the forward's output is then the shared
+        experts' only, for callers that discard it."""
         w = self.experts[0]
-        hidden, inter, dev = w["gate_proj"].shape[1], w["down_proj"].shape[1], w["gate_proj"].device
+        hidden, inter, dev = w["gate_proj"].shape[1], w["down_proj"].shape[1], self._device()
         self.collect = mode
         if mode == "all":
             self.h_in = HessianAccumulator(hidden, dev)
@@ -108,9 +157,15 @@ class ExpertMoE(nn.Module):
             self.h_in_expert = [HessianAccumulator(hidden, dev) for _ in self.experts]
         self.inputs = [] if keep_inputs and mode == "all" else None
         self.h_down = [] if self.inputs is not None else [HessianAccumulator(inter, dev) for _ in self.experts]
+        self.outputs = outputs or self.inputs is None
 
     def stop_collecting(self) -> None:
+        """Drop every statistic (the output pass needs none: a `hidden x hidden` fp32 Hessian is 196 MiB
+        on DeepSeek-V3)."""
         self.collect = None
+        self.outputs = True
+        self.h_in = None
+        self.h_in_expert = []
         self.inputs = None
         self.routes = []
         self.h_down = []
@@ -123,8 +178,9 @@ class ExpertMoE(nn.Module):
         if self.inputs is None:
             return self.h_down[e].hessian(), self.h_down[e].count
         acc = HessianAccumulator(self.experts[e]["down_proj"].shape[1], self.inputs[0].device)
+        gate_up = self.weight(e, "gate_proj"), self.weight(e, "up_proj")  # upcast (or read) once, not per batch
         for x, index in zip(self.inputs, self.routes, strict=True):
-            acc.add(self._inner(e, x), _token_weights(index, e, routed_weight))
+            acc.add(self._inner(e, x, gate_up), _token_weights(index, e, routed_weight))
         return acc.hessian(), acc.count
 
     def in_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
@@ -153,6 +209,8 @@ class ExpertMoE(nn.Module):
             token, slot = torch.where(index == e)
             if self.collect is not None:
                 self.routed_tokens[e] += token.numel()
+            if not self.outputs:
+                continue
             if self.collect == "all" and self.inputs is None:
                 # every token through expert e for its statistics; only routed tokens reach the output
                 a_all = self._inner(e, x)
@@ -223,6 +281,7 @@ def quantize_experts(
 
     for chunk in _chunks(n, moe.experts[0]["down_proj"].shape[0]):
         hessians = [moe.down_hessian(e, settings.routed_token_weight) for e in chunk]
+        moe.load(chunk, ("down_proj",))
         for e, (_, count) in zip(chunk, hessians, strict=True):
             records[e]["samples"]["down"] = count
         factors = [prepare(h, damp, actorder) for h, _ in hessians]
@@ -230,6 +289,8 @@ def quantize_experts(
                                 settings.scale_search)
         for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
             finish(e, "down_proj", q, s, factor, h)
+        del hessians, factors, results
+        release_free_memory()  # the chunk's work and the source weights it replaced
 
     inter = moe.experts[0]["gate_proj"].shape[0]
     weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
@@ -237,21 +298,27 @@ def quantize_experts(
         h, count = moe.in_hessian(0)
         factor = prepare(h, damp, actorder)
         for chunk in _chunks(n, 2 * inter):
+            moe.load(chunk, ("gate_proj", "up_proj"))
             rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")])
             q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
             del rows
             for i, e in enumerate(chunk):
                 _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
                                 factor, h, count)
+            del q, s
+            release_free_memory()
     else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
         for chunk in _chunks(n, 2 * inter):
             hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
             factors = [prepare(h, damp, actorder) for h, _ in hessians]
+            moe.load(chunk, ("gate_proj", "up_proj"))
             rows = [torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]]) for e in chunk]
             results = quantize_many(rows, factors, group_size, block, scale_dtype, settings.scale_search)
             del rows
             for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
                 _finish_gate_up(e, q, s, factor, h, count)
+            del hessians, factors, results
+            release_free_memory()
     return packed, records
 
 

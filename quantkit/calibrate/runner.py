@@ -36,6 +36,7 @@ from quantkit.arch import Adapter, KVLayout, Role, family_for
 from quantkit.calibrate import layers as L
 from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.kv import KVStats, StatCache
+from quantkit.calibrate.memory import release_free_memory
 from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
 from quantkit.checkpoint.source import SourceCheckpoint
@@ -238,9 +239,12 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
                roles: set[Role], kv_layout: str | None, opts: RunOptions, device: torch.device) -> None:
     adapter = source.adapter
     base = f"{adapter.prefix}model.layers.{layer}."
-    module = L.build_layer(source, cfg, layer, adapter.prefix).to(device)
+    # with the MoE inputs kept, the statistics pass needs no routed expert: they are read as GPTQ needs them
+    keep_inputs = Role.ROUTED_EXPERT in roles and acts.cached is not None and opts.all_experts
+    module = L.build_layer(source, cfg, layer, adapter.prefix, lazy_experts=keep_inputs).to(device)
     if hasattr(source, "close"):
         source.close()  # unmap the shards just read: their pages would otherwise stay in this process's RSS
+    release_free_memory()  # at each phase boundary: what the phase freed leaves the RSS (memory.py)
     moe = module.mlp if isinstance(getattr(module, "mlp", None), ExpertMoE) else None
     quantize_moe = moe is not None and Role.ROUTED_EXPERT in roles
     linears = _target_linears(module, base, adapter, roles)
@@ -251,10 +255,12 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
         hessians = {name: HessianAccumulator(lin.in_features, device) for name, lin in linears.items()}
         hooks = [lin.register_forward_pre_hook(_hessian_hook(hessians[name])) for name, lin in linears.items()]
         if quantize_moe:  # MoE inputs kept (not one Hessian per expert) when the activations fit in RAM
-            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=acts.cached is not None)
+            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=keep_inputs,
+                                 outputs=not keep_inputs)
         _forward_all(module, rope, acts, cfg, device, None, None)
         for h in hooks:
             h.remove()
+        release_free_memory()
         dtype = source.model_dtype
         if quantize_moe:
             p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size, recipe.gptq, dtype)
@@ -263,6 +269,8 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
         for name, lin in linears.items():
             packed[base + name], rec = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype)
             modules.append({"layer": layer, "module": base + name, **rec})
+        del hessians  # pass-1 statistics are not needed by pass 2
+        release_free_memory()
     last = layer == adapter.num_layers - 1
     stats = KVStats(kv_layout) if kv_layout else None
     writer = None if last else ActsWriter(work_dir / f"acts_{layer + 1:04d}")
@@ -271,6 +279,8 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     if writer is not None:
         writer.close()
     _save_layer(work_dir, layer, packed, coverage, modules, stats)
+    del module, packed
+    release_free_memory()
 
 
 def _target_linears(module: nn.Module, base: str, adapter: Adapter, roles: set[Role]) -> dict[str, nn.Linear]:
