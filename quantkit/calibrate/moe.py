@@ -13,7 +13,14 @@ per weight) and dequantized per use. When the calibration activations fit in RAM
 kept instead of one `down_proj` Hessian per expert, and each chunk of experts' down Hessians is built
 from them just before it is quantized — so only a chunk's Hessians exist at once.
 
-`quantize_experts` then runs GPTQ per expert and returns the packed results plus one coverage record per
+Expert-parallel (several ranks, `quantkit.distributed.World`): each rank holds only the experts it owns
+(`experts[e]` is None for the others). Each step, the ranks' MoE inputs (and their routing) are gathered,
+so every rank runs its experts on all the step's tokens — the statistics of an owned expert are complete
+on its rank — and the partial outputs are summed back (all_reduce), each rank keeping its own tokens'
+rows. A rank with fewer batches joins a step with no tokens (`idle_step`). The shared gate/up Hessian is
+accumulated from each rank's own tokens and summed over the ranks after the pass (`reduce_statistics`).
+
+`quantize_experts` then runs GPTQ per (owned) expert and returns the packed results plus one coverage record per
 expert: tokens under real routing, samples in its Hessians, damping, RTN fallback, relative
 reconstruction error `||WX - QX|| / ||WX||` (and what RTN would have given).
 """
@@ -28,6 +35,7 @@ from torch import nn
 
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
 from quantkit.checkpoint.source import SourceCheckpoint
+from quantkit.distributed import SINGLE, World
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
 from quantkit.recipe import GPTQSettings
 
@@ -40,53 +48,68 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 _ROWS_PER_CHUNK = 4096  # rows of stacked expert weights quantized in one GPTQ call (bounds memory)
 Collect = Literal["all", "routed"]  # every token through every expert, or only the routed ones
 ExpertWeight = torch.Tensor | PackedInt4
+ExpertWeights = dict[str, ExpertWeight]
 
 
 class ExpertMoE(nn.Module):
     """A MoE block with per-expert weights and optional per-expert Hessian collection."""
 
-    def __init__(self, gate: nn.Module, shared: nn.Module | None, experts: list[dict[str, torch.Tensor]],
-                 act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, gate: nn.Module, shared: nn.Module | None, experts: list[dict[str, torch.Tensor] | None],
+                 act: Callable[[torch.Tensor], torch.Tensor], world: World = SINGLE) -> None:
         super().__init__()
         self.gate = gate
         self.shared_experts = shared
-        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 once quantized
-        self.experts: list[dict[str, ExpertWeight]] = list(experts)
+        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 once quantized;
+        # None for the experts another rank owns
+        self.experts: list[ExpertWeights | None] = list(experts)
+        self.owned = [e for e, w in enumerate(self.experts) if w is not None]
+        self.world = world
         self.act = act
         self.group_size = 0  # of the packed experts
         self.collect: Collect | None = None
-        self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)
+        self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)  # all experts, whoever owns them
         self.h_in: HessianAccumulator | None = None
-        self.h_in_expert: list[HessianAccumulator] = []
-        self.h_down: list[HessianAccumulator] = []
+        self.h_in_expert: dict[int, HessianAccumulator] = {}
+        self.h_down: dict[int, HessianAccumulator] = {}
         self.inputs: list[torch.Tensor] | None = None  # MoE inputs kept (mode "all", when they fit)
         self.routes: list[torch.Tensor] = []  # their top-k expert indices, for routed-token weighting
 
     @classmethod
-    def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module) -> ExpertMoE:
-        """Load router, shared experts and per-expert weights (names under `base` = `...mlp.`)."""
+    def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module,
+                    world: World = SINGLE) -> ExpertMoE:
+        """Load router, shared experts and this rank's experts (names under `base` = `...mlp.`)."""
         gate = hf_moe.gate
         gate.load_state_dict(_read(source, base + "gate.", gate), strict=True, assign=True)
         shared = getattr(hf_moe, "shared_experts", None)
         if shared is not None:
             shared.load_state_dict(_read(source, base + "shared_experts.", shared), strict=True, assign=True)
         n, dtype = int(cfg.n_routed_experts), source.model_dtype
+        owned = set(world.mine(list(range(n))))
         experts = [
             {p: source.read(f"{base}experts.{e}.{p}.weight", torch.float32).to(dtype) for p in PROJS}
+            if e in owned else None
             for e in range(n)
         ]
-        return cls(gate, shared, experts, hf_moe.experts.act_fn)
+        return cls(gate, shared, experts, hf_moe.experts.act_fn, world)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ExpertMoE:
         """`.to(device)` must move the plain expert tensors too (they are not parameters)."""
         super()._apply(fn, recurse)
-        self.experts = [{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in w.items()} for w in self.experts]
+        self.experts = [None if w is None else {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in w.items()}
+                        for w in self.experts]
         return self
 
     # ---- weights ---------------------------------------------------------------------------------
+    def held(self, e: int) -> ExpertWeights:
+        """Expert `e`'s weights (this rank must own it)."""
+        w = self.experts[e]
+        if w is None:
+            raise ValueError(f"expert {e} is owned by another rank")
+        return w
+
     def weight(self, e: int, proj: str) -> torch.Tensor:
         """Expert `e`'s `proj` weight in fp32 (dequantized when already quantized)."""
-        w = self.experts[e][proj]
+        w = self.held(e)[proj]
         if isinstance(w, PackedInt4):
             return dequantize_group(unpack_nibbles(w.weight_packed), w.weight_scale, self.group_size)
         return w.float()
@@ -99,21 +122,27 @@ class ExpertMoE(nn.Module):
     def start_collecting(self, mode: Collect = "all", keep_inputs: bool = False) -> None:
         """Collect Hessians on the next forwards; `keep_inputs` (mode "all") keeps the MoE inputs instead of
         accumulating a down_proj Hessian per expert — use it when the calibration activations fit in RAM."""
-        w = self.experts[0]
-        hidden, inter, dev = w["gate_proj"].shape[1], w["down_proj"].shape[1], w["gate_proj"].device
+        hidden, dev = self.gate.weight.shape[1], self.gate.weight.device
         self.collect = mode
         if mode == "all":
             self.h_in = HessianAccumulator(hidden, dev)
         else:
-            self.h_in_expert = [HessianAccumulator(hidden, dev) for _ in self.experts]
+            self.h_in_expert = {e: HessianAccumulator(hidden, dev) for e in self.owned}
         self.inputs = [] if keep_inputs and mode == "all" else None
-        self.h_down = [] if self.inputs is not None else [HessianAccumulator(inter, dev) for _ in self.experts]
+        self.h_down = {} if self.inputs is not None else {
+            e: HessianAccumulator(self.held(e)["down_proj"].shape[1], dev) for e in self.owned}
+
+    def reduce_statistics(self) -> None:
+        """After the collecting pass: sum the shared gate/up Hessian over the ranks (each rank added its own
+        tokens; the per-expert statistics are complete on the expert's rank already). A collective."""
+        if self.h_in is not None:
+            self.h_in.all_reduce(self.world)
 
     def stop_collecting(self) -> None:
         self.collect = None
         self.inputs = None
         self.routes = []
-        self.h_down = []
+        self.h_down = {}
 
     def down_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
         """`down_proj` input Hessian of expert `e` and its sample count (from the source gate/up weights).
@@ -122,7 +151,7 @@ class ExpertMoE(nn.Module):
         """
         if self.inputs is None:
             return self.h_down[e].hessian(), self.h_down[e].count
-        acc = HessianAccumulator(self.experts[e]["down_proj"].shape[1], self.inputs[0].device)
+        acc = HessianAccumulator(self.held(e)["down_proj"].shape[1], self.inputs[0].device)
         for x, index in zip(self.inputs, self.routes, strict=True):
             acc.add(self._inner(e, x), _token_weights(index, e, routed_weight))
         return acc.hessian(), acc.count
@@ -143,16 +172,35 @@ class ExpertMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, index = self.gate(x)
+        out = self._routed(x, weights, index).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+    def idle_step(self) -> None:
+        """Join one expert-parallel step with no tokens of this rank's own (it has no batch left)."""
+        dev = self.gate.weight.device
+        k = int(self.gate.top_k)
+        self._routed(torch.zeros(0, self.gate.weight.shape[1], device=dev), torch.zeros(0, k, device=dev),
+                     torch.zeros(0, k, dtype=torch.long, device=dev))
+
+    def _routed(self, x_own: torch.Tensor, w_own: torch.Tensor, i_own: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for this rank's tokens `x_own` (their top-k weights and indices);
+        statistics for this rank's experts from the tokens of every rank (collectives when several)."""
+        if self.world.size > 1:
+            (x, weights, index), rows = self.world.all_gather_rows([x_own, w_own.float(), i_own])
+        else:
+            x, weights, index, rows = x_own, w_own, i_own, [x_own.shape[0]]
         out = torch.zeros_like(x)
         if self.collect == "all":
-            self.h_in.add(x)
+            self.h_in.add(x_own)  # this rank's tokens; summed over the ranks by reduce_statistics
             if self.inputs is not None:
                 self.inputs.append(x.detach().clone())
                 self.routes.append(index.detach().clone())
-        for e in range(len(self.experts)):
+        if self.collect is not None:
+            self.routed_tokens += torch.bincount(index.flatten().cpu(), minlength=len(self.experts))
+        for e in self.owned:
             token, slot = torch.where(index == e)
-            if self.collect is not None:
-                self.routed_tokens[e] += token.numel()
             if self.collect == "all" and self.inputs is None:
                 # every token through expert e for its statistics; only routed tokens reach the output
                 a_all = self._inner(e, x)
@@ -169,9 +217,9 @@ class ExpertMoE(nn.Module):
                 continue
             y = a @ self.weight(e, "down_proj").t()
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
-        out = out.view(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+        if self.world.size > 1:
+            start = sum(rows[: self.world.rank])
+            out = self.world.all_reduce(out)[start : start + rows[self.world.rank]]
         return out
 
 
@@ -198,17 +246,20 @@ def quantize_experts(
     settings: GPTQSettings,
     scale_dtype: torch.dtype,
 ) -> tuple[dict[str, PackedInt4], list[dict[str, Any]]]:
-    """GPTQ every routed expert of `moe` (collected statistics required); swap in the packed results.
+    """GPTQ every routed expert this rank holds (collected statistics required); swap in the packed results.
 
     `module_base` is the experts' module prefix (`model.layers.N.mlp.experts.`). Returns packed results
-    (on the CPU) by module name and one coverage record per expert. The down projections go first: their
-    Hessians are built from the source gate/up weights.
+    (on the CPU) by module name and one coverage record per expert, in expert order. The down projections
+    go first: their Hessians are built from the source gate/up weights.
     """
-    n = len(moe.experts)
+    owned = moe.owned
     damp, block, actorder = settings.dampening_frac, settings.block_size, settings.actorder == "static"
     packed: dict[str, PackedInt4] = {}
-    records = [_record(moe, layer, e) for e in range(n)]
+    records = {e: _record(moe, layer, e) for e in owned}
     moe.group_size = group_size
+    if not owned:
+        return packed, []
+    first = moe.held(owned[0])
 
     def finish(e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor) -> None:
         _finish(moe, e, proj, q, s, factor, h, group_size, scale_dtype, records[e], packed, module_base)
@@ -221,43 +272,43 @@ def quantize_experts(
         finish(e, "gate_proj", q[:inter], s[:inter], factor, h)
         finish(e, "up_proj", q[inter:], s[inter:], factor, h)
 
-    for chunk in _chunks(n, moe.experts[0]["down_proj"].shape[0]):
+    for chunk in _chunks(owned, first["down_proj"].shape[0]):
         hessians = [moe.down_hessian(e, settings.routed_token_weight) for e in chunk]
         for e, (_, count) in zip(chunk, hessians, strict=True):
             records[e]["samples"]["down"] = count
         factors = [prepare(h, damp, actorder) for h, _ in hessians]
-        results = quantize_many([moe.experts[e]["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
+        results = quantize_many([moe.held(e)["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
                                 settings.scale_search)
         for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
             finish(e, "down_proj", q, s, factor, h)
 
-    inter = moe.experts[0]["gate_proj"].shape[0]
+    inter = first["gate_proj"].shape[0]
     weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
     if moe.h_in is not None and not weighted:  # one gate/up Hessian and factor for all experts
-        h, count = moe.in_hessian(0)
+        h, count = moe.in_hessian(owned[0])
         factor = prepare(h, damp, actorder)
-        for chunk in _chunks(n, 2 * inter):
-            rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")])
+        for chunk in _chunks(owned, 2 * inter):
+            rows = torch.cat([moe.held(e)[p] for e in chunk for p in ("gate_proj", "up_proj")])
             q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
             del rows
             for i, e in enumerate(chunk):
                 _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
                                 factor, h, count)
     else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
-        for chunk in _chunks(n, 2 * inter):
+        for chunk in _chunks(owned, 2 * inter):
             hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
             factors = [prepare(h, damp, actorder) for h, _ in hessians]
-            rows = [torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]]) for e in chunk]
+            rows = [torch.cat([moe.held(e)["gate_proj"], moe.held(e)["up_proj"]]) for e in chunk]
             results = quantize_many(rows, factors, group_size, block, scale_dtype, settings.scale_search)
             del rows
             for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
                 _finish_gate_up(e, q, s, factor, h, count)
-    return packed, records
+    return packed, [records[e] for e in owned]
 
 
-def _chunks(n: int, rows_per_expert: int) -> list[list[int]]:
+def _chunks(experts: list[int], rows_per_expert: int) -> list[list[int]]:
     per = max(1, _ROWS_PER_CHUNK // max(rows_per_expert, 1))
-    return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+    return [experts[i : i + per] for i in range(0, len(experts), per)]
 
 
 def _record(moe: ExpertMoE, layer: int, e: int) -> dict[str, Any]:
@@ -281,11 +332,11 @@ def _finish(moe: ExpertMoE, e: int, proj: str, q: torch.Tensor, s: torch.Tensor,
     if factor.failure:
         record["fallback"][proj] = f"rtn: {factor.failure}"
     record["rel_error"][proj], record["rtn_rel_error"][proj] = module_errors(
-        moe.experts[e][proj], q, s, h, group_size, scale_dtype)
+        moe.held(e)[proj], q, s, h, group_size, scale_dtype)
     result = pack_int4(q, s.to(scale_dtype))
     packed[f"{base}{e}.{proj}"] = PackedInt4(result.weight_packed.cpu(), result.weight_scale.cpu(),
                                              result.weight_shape)
-    moe.experts[e][proj] = result
+    moe.held(e)[proj] = result
 
 
 def module_errors(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, h: torch.Tensor, group_size: int,
