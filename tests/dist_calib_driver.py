@@ -1,7 +1,8 @@
 """One rank of a distributed calibration run (started N times by tests/test_calib_distributed.py or torchrun).
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python tests/dist_calib_driver.py SRC WORK \
-        [--samples S] [--seq-len L] [--batch B] [--roles routed_expert,attention] [--budget BYTES] \
+        [--tokens FILE] [--samples S] [--seq-len L] [--batch B] [--roles routed_expert,attention] [--kv] \
+        [--budget BYTES] \
         [--kill-after K --kill-rank R] [--fail-after K --fail-rank R]
 
 Calls `quantkit.calibrate.runner.run` the way `quantkit convert` does under torchrun: the world from the
@@ -34,7 +35,12 @@ from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.recipe import Recipe  # noqa: E402
 
 
-def tokens(src: Path, samples: int, seq_len: int) -> torch.Tensor:
+def tokens(src: Path, samples: int, seq_len: int, path: Path | None) -> torch.Tensor:
+    """The calibration windows: from `path` (a safetensors file with `tokens`), else from the corpus."""
+    if path is not None:
+        from safetensors.torch import load_file
+
+        return load_file(path)["tokens"]
     from transformers import AutoTokenizer
 
     from quantkit.calibrate.data import calibration_tokens
@@ -47,6 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("src", type=Path)
     ap.add_argument("work", type=Path)
+    ap.add_argument("--tokens", type=Path, help="pre-tokenized windows (safetensors, key `tokens`)")
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
@@ -81,8 +88,8 @@ def main() -> int:
             source = open_source(a.src)
             recipe = Recipe(method="gptq", kv_cache="fp8" if a.kv else None, quantize_roles=a.roles.split(","),
                             calibration={"samples": a.samples, "seq_len": a.seq_len})
-            opts = RunOptions(tokens=tokens(a.src, a.samples, a.seq_len), batch_size=a.batch, threads=a.threads,
-                              memory_budget=a.budget)
+            opts = RunOptions(tokens=tokens(a.src, a.samples, a.seq_len, a.tokens), batch_size=a.batch,
+                              threads=a.threads, memory_budget=a.budget)
             result = run(source, recipe, a.work, progress, opts, world)
         world.stop()
     except QuantkitError as exc:
