@@ -8,7 +8,7 @@
 Calls `quantkit.calibrate.runner.run` the way `quantkit convert` does under torchrun: the world from the
 environment, every rank with the same arguments and a shared work directory, failures through
 `World.guard`. `--kill-after K` makes rank R SIGKILL itself once layer K is published; `--fail-after K`
-makes it raise a QuantkitError there instead. Prints one JSON line: rank, world size, peak RSS, wall time,
+makes it raise a QuantkitError there instead. Prints one JSON line: rank, world size, peak RSS, CPU seconds, wall time,
 the modules of the loaded result and its per-phase times; a QuantkitError prints its message to stderr
 and exits 2.
 """
@@ -98,6 +98,7 @@ def main() -> int:
     print(json.dumps({
         "rank": world.rank, "world_size": world.size, "wall_s": time.time() - t0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime,
         "modules": len(result.modules_quantized()), "phases": phases,
     }))
     return 0

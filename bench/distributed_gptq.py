@@ -1,0 +1,196 @@
+"""GPTQ calibration across ranks: 1 vs 2 gloo ranks on this machine, and a projection for GLM-5.2 on 8xH200.
+
+    .venv/bin/python bench/distributed_gptq.py                 # ~4 min on 2 shared cores
+    .venv/bin/python bench/distributed_gptq.py --samples 2 --seq-len 64 --layers 2   # quick smoke
+
+Measured: a generated DeepSeek-V3-layout checkpoint (`quantkit.synth`, size "bench": hidden 1024, 32
+experts of 512, 3 layers of which the first is dense) calibrated with GPTQ on every routed expert, pre-tokenized
+random windows, batch 1: one process with 1 thread, one with 2 threads, and 2 ranks x 1 thread (each rank
+a fresh process started with torchrun's environment, tests/dist_calib_driver.py). Per configuration:
+wall (slowest rank, from process start), per-phase seconds summed over layers (per rank), peak RSS per
+rank. FLOPs of each phase are counted from the shapes (`phase_flops`) to give the achieved rate.
+
+Projected (NOT measured): GLM-5.2 (config from quantkit/plan/configs/glm-5.2) GPTQ on 8xH200 from the
+same FLOP model and stated H200 throughput / kernel-launch assumptions, plus the expert-parallel traffic.
+Results: bench/results/distributed_gptq.json and a printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+DRIVER = REPO / "tests" / "dist_calib_driver.py"
+PY = sys.executable
+
+# ---- H200 assumptions for the projection (stated, not measured here) --------------------------------
+H200_TFLOPS = {"bf16 tensor cores": 700.0, "tf32 tensor cores": 350.0, "fp32 (no tensor cores)": 55.0}
+# sustained dense-GEMM rates assumed (peaks: 989 bf16, 494 tf32, 67 fp32 TFLOP/s)
+NVLINK_GBS = 350.0  # sustained all-gather / all-reduce bus bandwidth per GPU, GB/s (NVLink 4: 450 per direction)
+LAUNCH_US = 8.0  # one eager PyTorch CUDA op, launch-bound (small per-column ops of the GPTQ loop)
+OPS_PER_COLUMN = 11  # tensor ops per column in gptq._gptq_loop (divide, round, clamp, cast, store, ...)
+OPS_PER_BLOCK = 6  # per 128-column block (gather, slices, bmm update)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, src: Path, work: Path, tokens: Path, samples: int, seq: int, threads: int) -> list[dict]:
+    """`n` ranks of the driver (n == 1: a plain single process), each one fresh process; their JSON lines."""
+    port = _free_port()
+    procs = []
+    t0 = time.time()
+    for r in range(n):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+        if n > 1:
+            env.update({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        cmd = [PY, str(DRIVER), str(src), str(work), "--tokens", str(tokens), "--samples", str(samples),
+               "--seq-len", str(seq), "--batch", "1", "--threads", str(threads)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"rank failed ({p.returncode}): {stderr[-2000:]}")
+        rec = json.loads(stdout.strip().splitlines()[-1])
+        rec["process_wall_s"] = time.time() - t0
+        out.append(rec)
+    return out
+
+
+# ---- FLOP model -----------------------------------------------------------------------------------
+def phase_flops(hidden: int, inter: int, experts: int, tokens: int, top_k: int, kept: bool,
+                block: int = 128) -> dict[str, float]:
+    """FLOPs of one MoE layer's calibration with GPTQ on the routed experts (all ranks together).
+
+    Statistics mode "all": every expert's down Hessian needs every token through its gate/up
+    (`4 T h i`) and `X^T X` (`2 T i^2`). With the MoE inputs kept (`kept`: the activations fit the memory
+    budget) that happens in the gptq phase, pass 1 running only the routed tokens; streamed, it happens
+    in pass 1. gptq also holds the GPTQ updates (rows x cols^2 per module plus the in-block updates)
+    and the factorisations; pass 2 runs the routed tokens. Attention and shared experts are left out.
+    """
+    t, h, i, e = float(tokens), float(hidden), float(inter), float(experts)
+    down_h = 4 * t * h * i + 2 * t * i * i  # one expert's down Hessian from all tokens
+    routed = 6 * t * top_k * i * h  # gate, up and down of the routed tokens, all experts together
+    solve = 2 * i * (h * h + h * block) + h * (i * i + i * block) + 2 * i**3
+    stats = e * down_h
+    pass1 = routed + 2 * t * h * h + (0.0 if kept else stats)
+    gptq = e * solve + 2 * h**3 + (stats if kept else 0.0)
+    return {"pass1": pass1, "gptq": gptq, "pass2": routed}
+
+
+def column_steps(hidden: int, inter: int, experts_per_rank: int, rows_per_chunk: int) -> int:
+    """Sequential GPTQ column iterations per rank and layer (one batched loop per chunk of experts)."""
+    per_gu = max(1, rows_per_chunk // (2 * inter))
+    per_down = max(1, rows_per_chunk // hidden)
+    loops_gu = -(-experts_per_rank // per_gu)
+    loops_down = -(-experts_per_rank // per_down)
+    return loops_gu * hidden + loops_down * inter
+
+
+def projection(rates: dict[str, float]) -> dict:
+    """GLM-5.2 GPTQ on 8xH200 (a projection from the FLOP model and the assumptions above)."""
+    cfg = json.loads((REPO / "quantkit/plan/configs/glm-5.2/config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    layers, dense, k = cfg["num_hidden_layers"], cfg["first_k_dense_replace"], cfg["num_experts_per_tok"]
+    ranks, tokens = 8, 512 * 2048  # recipe defaults: 512 samples x 2048 tokens
+    moe_layers = layers - dense
+    f = phase_flops(h, i, e, tokens, k, kept=False)  # 25 GB of MoE inputs per layer: streamed
+    per_rank_flops = sum(f.values()) / ranks
+    # expert-parallel traffic per rank and MoE layer: all-gather of all tokens' inputs + all-reduce of
+    # the outputs (ring: 2 (N-1)/N of the buffer), in both passes; fp32 activations
+    buf = tokens * h * 4
+    traffic = 2 * (buf * (ranks - 1) / ranks + 2 * buf * (ranks - 1) / ranks)
+    comm_s = traffic / (NVLINK_GBS * 1e9)
+    out: dict = {"model": "GLM-5.2", "hidden": h, "moe_intermediate": i, "experts": e, "layers": layers,
+                 "moe_layers": moe_layers, "ranks": ranks, "calibration_tokens": tokens,
+                 "flops_per_moe_layer": f, "traffic_per_rank_per_layer_gb": traffic / 1e9,
+                 "assumptions": {"sustained_tflops": H200_TFLOPS, "nvlink_gbs": NVLINK_GBS,
+                                 "launch_us": LAUNCH_US, "ops_per_column": OPS_PER_COLUMN},
+                 "scenarios": []}
+    for chunk_rows, label in ((4096, "GPTQ chunk 4096 rows (today's CPU bound)"),
+                              (1 << 20, "GPTQ chunk = all of a rank's experts")):
+        steps = column_steps(h, i, e // ranks, chunk_rows)
+        loop_s = steps * OPS_PER_COLUMN * LAUNCH_US * 1e-6 + steps / 128 * OPS_PER_BLOCK * LAUNCH_US * 1e-6
+        for precision, tflops in H200_TFLOPS.items():
+            compute_s = per_rank_flops / (tflops * 1e12)
+            layer_s = compute_s + comm_s + loop_s
+            out["scenarios"].append({"chunk": label, "precision": precision, "compute_s_per_layer": compute_s,
+                                     "comm_s_per_layer": comm_s, "column_loop_s_per_layer": loop_s,
+                                     "total_h": layer_s * moe_layers / 3600})
+    out["cpu_achieved_gflops"] = rates
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=3, help="decoder layers (the first is dense)")
+    a = ap.parse_args()
+    import torch
+    from safetensors.torch import save_file
+
+    from quantkit.synth import make_checkpoint
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="qk-distgptq-"))
+    src = make_checkpoint(root / "src", "deepseek_v3", "bf16", size="bench", mtp=False, shards=2,
+                          config_overrides={"num_hidden_layers": a.layers})
+    cfg = json.loads((src / "config.json").read_text())
+    toks = torch.randint(1, cfg["vocab_size"], (a.samples, a.seq_len), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": toks}, str(root / "tokens.safetensors"))
+    runs = {}
+    for label, n, threads in (("1 process x 1 thread", 1, 1), ("1 process x 2 threads", 1, 2),
+                              ("2 ranks x 1 thread", 2, 1)):
+        load = os.getloadavg()[0]  # the cores are shared with other work: say how busy they were
+        ranks = launch(n, src, root / f"work-{n}-{threads}", root / "tokens.safetensors", a.samples, a.seq_len,
+                       threads)
+        runs[label] = {"wall_s": max(r["process_wall_s"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
+                       "load_avg_before": load, "load_avg_after": os.getloadavg()[0], "ranks": ranks}
+        print(f"{label:24} wall {runs[label]['wall_s']:6.1f}s cpu {runs[label]['cpu_s']:6.1f}s "
+              f"(load {load:.1f})  "
+              + "  ".join(f"rank{r['rank']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
+                          + f", cpu {r['cpu_s']:.1f}s, RSS {r['peak_rss_mib']:.0f} MiB" for r in ranks), flush=True)
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    f = phase_flops(cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"],
+                    a.samples * a.seq_len, cfg["num_experts_per_tok"], kept=True)
+    base = runs["1 process x 1 thread"]["ranks"][0]["phases"]
+    rates = {p: f[p] * moe_layers / base[p] / 1e9 for p in f if base.get(p)}
+    one = runs["1 process x 1 thread"]["wall_s"]
+    result = {
+        "model": {k: cfg[k] for k in ("hidden_size", "moe_intermediate_size", "n_routed_experts",
+                                      "num_hidden_layers", "first_k_dense_replace", "num_experts_per_tok")},
+        "samples": a.samples, "seq_len": a.seq_len, "cpus": os.cpu_count(), "runs": runs,
+        "speedup_2_ranks_vs_1x1": one / runs["2 ranks x 1 thread"]["wall_s"],
+        "speedup_2_ranks_vs_1x2": runs["1 process x 2 threads"]["wall_s"] / runs["2 ranks x 1 thread"]["wall_s"],
+        "flops_per_moe_layer": f,
+        "projection_glm52_8xh200": projection(rates),
+    }
+    (RESULTS / "distributed_gptq.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"speed-up 2 ranks vs 1 process x 1 thread: {result['speedup_2_ranks_vs_1x1']:.2f}x; "
+          f"vs 1 process x 2 threads: {result['speedup_2_ranks_vs_1x2']:.2f}x")
+    print("achieved GFLOP/s (1 process x 1 thread): " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
+    print("PROJECTION (not a measurement) GLM-5.2 GPTQ on 8xH200:")
+    for s in result["projection_glm52_8xh200"]["scenarios"]:
+        print(f"  {s['chunk']:42} {s['precision']:24} compute {s['compute_s_per_layer']:6.1f}s "
+              f"comm {s['comm_s_per_layer']:4.1f}s loop {s['column_loop_s_per_layer']:5.1f}s /layer -> "
+              f"{s['total_h']:.2f} h")
+
+
+if __name__ == "__main__":
+    main()
