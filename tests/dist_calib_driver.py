@@ -8,9 +8,9 @@
 Calls `quantkit.calibrate.runner.run` the way `quantkit convert` does under torchrun: the world from the
 environment, every rank with the same arguments and a shared work directory, failures through
 `World.guard`. `--kill-after K` makes rank R SIGKILL itself once layer K is published; `--fail-after K`
-makes it raise a QuantkitError there instead. Prints one JSON line: rank, world size, peak RSS, CPU seconds, wall time,
-the modules of the loaded result and its per-phase times; a QuantkitError prints its message to stderr
-and exits 2.
+makes it raise a QuantkitError there instead. Prints one JSON line: rank, world size, peak RSS, CPU
+seconds and wall time (whole process and inside `run`), the modules of the loaded result and its
+per-phase times; a QuantkitError prints its message to stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -47,6 +47,19 @@ def tokens(src: Path, samples: int, seq_len: int, path: Path | None) -> torch.Te
     from quantkit.calibrate.tiny import CORPUS
 
     return calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(str(src)), samples, seq_len, 0)
+
+
+def _cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def main() -> int:
@@ -90,7 +103,9 @@ def main() -> int:
                             calibration={"samples": a.samples, "seq_len": a.seq_len})
             opts = RunOptions(tokens=tokens(a.src, a.samples, a.seq_len, a.tokens), batch_size=a.batch,
                               threads=a.threads, memory_budget=a.budget)
+            rss0, cpu0, t1 = _rss_mib(), _cpu_s(), time.time()
             result = run(source, recipe, a.work, progress, opts, world)
+            calib = {"calib_cpu_s": _cpu_s() - cpu0, "calib_wall_s": time.time() - t1, "rss_before_run_mib": rss0}
         world.stop()
     except QuantkitError as exc:
         print(f"rank {world.rank}: {exc}", file=sys.stderr)
@@ -98,7 +113,7 @@ def main() -> int:
     print(json.dumps({
         "rank": world.rank, "world_size": world.size, "wall_s": time.time() - t0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime,
+        "cpu_s": _cpu_s(), **calib,
         "modules": len(result.modules_quantized()), "phases": phases,
     }))
     return 0
