@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,7 +49,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(n: int, src: Path, work: Path, tokens: Path, samples: int, seq: int, threads: int) -> list[dict]:
+def launch(n: int, src: Path, work: Path, tokens: Path, samples: int, seq: int, threads: int,
+           roles: str = "routed_expert") -> list[dict]:
     """`n` ranks of the driver (n == 1: a plain single process), each one fresh process; their JSON lines."""
     port = _free_port()
     procs = []
@@ -59,7 +61,7 @@ def launch(n: int, src: Path, work: Path, tokens: Path, samples: int, seq: int, 
             env.update({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         cmd = [PY, str(DRIVER), str(src), str(work), "--tokens", str(tokens), "--samples", str(samples),
-               "--seq-len", str(seq), "--batch", "1", "--threads", str(threads)]
+               "--seq-len", str(seq), "--batch", "1", "--threads", str(threads), "--roles", roles]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
@@ -137,6 +139,58 @@ def projection(rates: dict[str, float]) -> dict:
     return out
 
 
+def work_split(src: Path, tokens: int) -> list[dict]:
+    """CPU seconds of one MoE layer's expert GPTQ for rank 0's share in worlds of 1, 2 and 4 ranks, run one
+    after the other in this process (1 thread): the per-rank work without two ranks competing for cores."""
+    import torch
+
+    from quantkit.calibrate import layers as L
+    from quantkit.calibrate.moe import quantize_experts
+    from quantkit.checkpoint.source import open_source
+    from quantkit.distributed import SINGLE, World
+    from quantkit.recipe import GPTQSettings
+
+    torch.set_num_threads(1)
+    source = open_source(src)
+    cfg = L.hf_config(source.config)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, tokens, cfg.hidden_size, generator=g)]
+    out = []
+    for size in (1, 2, 4):
+        moe = L.build_layer(source, cfg, 1, "", World(0, size)).mlp
+        moe.world = SINGLE  # rank 0's experts, fed every token directly (what the all-gather hands it)
+        moe.start_collecting("all", keep_inputs=True)
+        with torch.no_grad():
+            for x in xs:
+                moe(x)
+        t = time.process_time()
+        quantize_experts(moe, "x.", 1, 32, GPTQSettings(), torch.bfloat16)
+        out.append({"world_size": size, "experts": len(moe.owned), "gptq_cpu_s": time.process_time() - t})
+        print(f"work split: world {size}, rank 0 holds {len(moe.owned)} experts: expert GPTQ of one layer "
+              f"{out[-1]['gptq_cpu_s']:.1f} CPU-s", flush=True)
+    return out
+
+
+def memory_per_rank(root: Path, toks: object, samples: int, seq: int) -> dict:
+    """Peak RSS per rank, 1 vs 2 ranks, on a model whose experts dominate a layer (48 experts of 2048 x 1024,
+    604 MiB per layer in bf16): forward passes only (no GPTQ), so the layers' weights are what differs."""
+    from quantkit.synth import make_checkpoint
+
+    src = make_checkpoint(root / "mem-src", "deepseek_v3", "bf16", size="bench", mtp=False, shards=2,
+                          config_overrides={"num_hidden_layers": 3, "moe_intermediate_size": 2048,
+                                            "n_routed_experts": 48})
+    out: dict = {"experts": 48, "moe_intermediate": 2048, "hidden": 1024,
+                 "expert_bytes_per_layer_mib": 48 * 3 * 2048 * 1024 * 2 / 2**20}
+    for n in (1, 2):
+        ranks = launch(n, src, root / f"mem-work-{n}", root / "tokens.safetensors", samples, seq, 1, roles="")
+        out[f"{n}_ranks"] = [{"rank": r["rank"], "peak_rss_mib": r["peak_rss_mib"],
+                              "rss_before_run_mib": r["rss_before_run_mib"]} for r in ranks]
+        print(f"memory, {n} rank(s): " + ", ".join(
+            f"rank{r['rank']} peak RSS {r['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] - r['rss_before_run_mib']:.0f}"
+            " above its start)" for r in ranks), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=4)
@@ -145,7 +199,21 @@ def main() -> None:
     ap.add_argument("--two-threads", action="store_true", help="also one process with 2 threads")
     ap.add_argument("--projection-only", action="store_true",
                     help="recompute the projection into the saved results (measured rates kept)")
+    ap.add_argument("--memory-only", action="store_true", help="rerun the memory part into the saved results")
     a = ap.parse_args()
+    if a.memory_only:
+        import torch
+        from safetensors.torch import save_file
+
+        path = RESULTS / "distributed_gptq.json"
+        result = json.loads(path.read_text())
+        root = Path(tempfile.mkdtemp(prefix="qk-distgptq-"))
+        toks = torch.randint(1, 8192, (a.samples, a.seq_len), generator=torch.Generator().manual_seed(0))
+        save_file({"tokens": toks}, str(root / "tokens.safetensors"))
+        result["memory"] = memory_per_rank(root, toks, a.samples, a.seq_len)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        shutil.rmtree(root, ignore_errors=True)
+        return
     if a.projection_only:
         path = RESULTS / "distributed_gptq.json"
         result = json.loads(path.read_text())
@@ -183,6 +251,8 @@ def main() -> None:
               + "  ".join(f"rank{r['rank']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
                           + f", cpu {r['cpu_s']:.1f}s, peak RSS {r['peak_rss_mib']:.0f} MiB"
                           f" ({r['rss_before_run_mib']:.0f} before run)" for r in ranks), flush=True)
+    split = work_split(src, a.samples * a.seq_len)
+    memory = memory_per_rank(root, toks, a.samples, a.seq_len)
     moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     f = phase_flops(cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"],
                     a.samples * a.seq_len, cfg["num_experts_per_tok"], kept=True)
@@ -198,9 +268,12 @@ def main() -> None:
         "calib_cpu_ratio_2_ranks_vs_1x1": (runs["2 ranks x 1 thread"]["calib_cpu_s"]
                                            / runs["1 process x 1 thread"]["calib_cpu_s"]),
         "flops_per_moe_layer": f,
+        "work_split": split,
+        "memory": memory,
         "projection_glm52_8xh200": projection(rates),
     }
     (RESULTS / "distributed_gptq.json").write_text(json.dumps(result, indent=2) + "\n")
+    shutil.rmtree(root, ignore_errors=True)
     print(f"speed-up 2 ranks vs 1 process x 1 thread: {result['speedup_2_ranks_vs_1x1']:.2f}x (wall); "
           f"CPU seconds 2 ranks / 1 process: {result['cpu_ratio_2_ranks_vs_1x1']:.2f} "
           f"(inside run: {result['calib_cpu_ratio_2_ranks_vs_1x1']:.2f})")

@@ -54,10 +54,11 @@ def _cpu_s() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def _rss_mib() -> float:
-    """This process's resident memory now (VmRSS)."""
+def _rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident memory now (VmRSS) or its peak (VmHWM). Not getrusage's ru_maxrss: on Linux
+    that starts at the parent's RSS at fork time, so a child of a big launcher would report the launcher."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -99,7 +100,8 @@ def main() -> int:
         world.start()
         with world.guard(lambda: a.work / "dist"):
             source = open_source(a.src)
-            recipe = Recipe(method="gptq", kv_cache="fp8" if a.kv else None, quantize_roles=a.roles.split(","),
+            roles = [r for r in a.roles.split(",") if r]
+            recipe = Recipe(method="gptq", kv_cache="fp8" if a.kv else None, quantize_roles=roles,
                             calibration={"samples": a.samples, "seq_len": a.seq_len})
             opts = RunOptions(tokens=tokens(a.src, a.samples, a.seq_len, a.tokens), batch_size=a.batch,
                               threads=a.threads, memory_budget=a.budget)
@@ -112,7 +114,7 @@ def main() -> int:
         return 2
     print(json.dumps({
         "rank": world.rank, "world_size": world.size, "wall_s": time.time() - t0,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": _rss_mib("VmHWM"),
         "cpu_s": _cpu_s(), **calib,
         "modules": len(result.modules_quantized()), "phases": phases,
     }))

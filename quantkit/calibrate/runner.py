@@ -31,6 +31,7 @@ Across ranks (`world`, torch.distributed; every rank calls `calibrate` with the 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -133,6 +134,8 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
         acts = Acts.open(work_dir / f"acts_{layer:04d}", opts.memory_budget, schedule.batches)
         phases = _run_layer(source, cfg, rope, layer, acts, work_dir, recipe, roles, kv_layout, opts, device, world,
                             schedule.steps)
+        del acts
+        gc.collect()  # the layer's modules hold reference cycles: free them before the next layer is built
         if world.is_main:  # every rank is past its reads (the layer ended with a collective)
             shutil.rmtree(work_dir / f"acts_{layer:04d}", ignore_errors=True)
         times = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
