@@ -72,8 +72,9 @@ class ExpertMoE(nn.Module):
         self.collect: Collect | None = None
         self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)  # all experts, whoever owns them
         self.h_in: HessianAccumulator | None = None
-        self.h_in_expert: dict[int, HessianAccumulator] = {}
-        self.h_down: dict[int, HessianAccumulator] = {}
+        # per expert (None for another rank's)
+        self.h_in_expert: list[HessianAccumulator | None] = []
+        self.h_down: list[HessianAccumulator | None] = []
         self.inputs: list[torch.Tensor] | None = None  # MoE inputs kept (mode "all", when they fit)
         self.routes: list[torch.Tensor] = []  # their top-k expert indices, for routed-token weighting
 
@@ -130,10 +131,10 @@ class ExpertMoE(nn.Module):
         if mode == "all":
             self.h_in = HessianAccumulator(hidden, dev)
         else:
-            self.h_in_expert = {e: HessianAccumulator(hidden, dev) for e in self.owned}
+            self.h_in_expert = [None if w is None else HessianAccumulator(hidden, dev) for w in self.experts]
         self.inputs = [] if keep_inputs and mode == "all" else None
-        self.h_down = {} if self.inputs is not None else {
-            e: HessianAccumulator(self.held(e)["down_proj"].shape[1], dev) for e in self.owned}
+        self.h_down = [] if self.inputs is not None else [
+            None if w is None else HessianAccumulator(w["down_proj"].shape[1], dev) for w in self.experts]
 
     def reduce_statistics(self) -> None:
         """After the collecting pass: sum the shared gate/up Hessian over the ranks (each rank added its own
@@ -145,7 +146,7 @@ class ExpertMoE(nn.Module):
         self.collect = None
         self.inputs = None
         self.routes = []
-        self.h_down = {}
+        self.h_down = []
 
     def down_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
         """`down_proj` input Hessian of expert `e` and its sample count (from the source gate/up weights).
