@@ -168,6 +168,39 @@ class World:
         flag = self.all_reduce(torch.tensor([0 if ok else 1], dtype=torch.int64))
         return int(flag.item()) == 0
 
+    def all_gather_rows(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """Every rank's tensors concatenated along dim 0 in rank order, and each rank's row count.
+
+        All `tensors` of one rank have the same number of rows (which may differ between ranks, zero
+        included); each rank passes the same dtypes and trailing shapes. Returns `tensors` unchanged for
+        one process.
+        """
+        if self.size == 1:
+            return tensors, [tensors[0].shape[0]]
+        import torch.distributed as dist
+
+        n = self._comm(torch.tensor([tensors[0].shape[0]], dtype=torch.int64))
+        counts = [torch.zeros_like(n) for _ in range(self.size)]
+        dist.all_gather(counts, n)
+        rows = [int(c.item()) for c in counts]
+        top = max(rows)
+        out = []
+        for t in tensors:
+            buf = self._comm(t).contiguous()
+            if buf.shape[0] < top:
+                buf = torch.cat([buf, buf.new_zeros((top - buf.shape[0], *buf.shape[1:]))])
+            parts = [torch.empty_like(buf) for _ in range(self.size)]
+            dist.all_gather(parts, buf)
+            out.append(torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)]).to(t.device))
+        return out, rows
+
+    def broadcast_exact(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """`broadcast` of the raw bytes (any dtype, bf16 included, whatever the backend supports)."""
+        if self.size == 1:
+            return t
+        raw = t.contiguous().view(torch.uint8)
+        return self.broadcast(raw, src).view(t.dtype)
+
     # ---- failures --------------------------------------------------------------------------------
     @contextmanager
     def guard(self, failure_dir: Callable[[], Path | None]) -> Iterator[None]:

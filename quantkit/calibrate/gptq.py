@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from quantkit.distributed import World
 from quantkit.quant.int4 import QMAX, QMIN, group_scales, mse_group_scales, quantize_rtn
 
 __all__ = ["Factor", "HessianAccumulator", "ScaleSearch", "gptq", "prepare", "quantize_many", "quantize_rows",
@@ -60,6 +61,14 @@ class HessianAccumulator:
     def hessian(self) -> torch.Tensor:
         """`X^T W X / sum(W)` (`X^T X / n` unweighted; zeros when nothing was seen)."""
         return self.sum / (self.weight if self.weight > 0 else 1.0)
+
+    def all_reduce(self, world: World) -> None:
+        """Sum the accumulations of every rank into every rank's (a no-op for one process)."""
+        if world.size == 1:
+            return
+        self.sum = world.all_reduce(self.sum)
+        seen = world.all_reduce(torch.tensor([float(self.count), self.weight], dtype=torch.float64))
+        self.count, self.weight = int(seen[0]), float(seen[1])
 
 
 @dataclass

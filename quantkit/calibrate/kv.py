@@ -147,6 +147,12 @@ class KVStats:
             out[key] = entry
         return out
 
+    def merge(self, other: KVStats) -> KVStats:
+        """Statistics of both (the ranks of a distributed run each observe their own tokens)."""
+        out = KVStats(self.layout)
+        out.k, out.v = self.k.merge(other.k), self.v.merge(other.v)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "k": self.k.to_json(), "v": self.v.to_json()}
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from quantkit.arch import family_for, text_config
 from quantkit.checkpoint.source import SourceCheckpoint
+from quantkit.distributed import SINGLE, World
 from quantkit.errors import QuantkitError
 
 if TYPE_CHECKING:
@@ -65,9 +66,10 @@ def causal_mask(batch: int, seq: int) -> torch.Tensor:
 
 
 def build_layer(source: SourceCheckpoint, cfg: PretrainedConfig, layer: int, prefix: str = "",
-                lazy_experts: bool = False) -> nn.Module:
+                lazy_experts: bool = False, world: World = SINGLE) -> nn.Module:
     """Decoder layer `layer` with weights from `source` (fp32; routed experts as `ExpertMoE`, held in the
-    model dtype, or left in the source until GPTQ reads them with `lazy_experts`)."""
+    model dtype, or left in the source until GPTQ reads them with `lazy_experts`; with several ranks only
+    the experts this rank owns are read)."""
     from quantkit.calibrate.moe import ExpertMoE
 
     with torch.device("meta"):
@@ -78,7 +80,7 @@ def build_layer(source: SourceCheckpoint, cfg: PretrainedConfig, layer: int, pre
         raise QuantkitError(f"{source.root}: no tensors for decoder layer {layer}")
     mlp = getattr(module, "mlp", None)
     if mlp is not None and hasattr(mlp, "experts"):
-        module.mlp = ExpertMoE.from_source(source, cfg, base + "mlp.", mlp, lazy_experts)
+        module.mlp = ExpertMoE.from_source(source, cfg, base + "mlp.", mlp, lazy_experts, world)
     state: dict[str, torch.Tensor] = {}
     for name in names:
         rest = name[len(base) :]

@@ -13,7 +13,14 @@ per weight) and dequantized per use. When the calibration activations fit in RAM
 kept instead of one `down_proj` Hessian per expert, and each chunk of experts' down Hessians is built
 from them just before it is quantized — so only a chunk's Hessians exist at once.
 
-`quantize_experts` then runs GPTQ per expert and returns the packed results plus one coverage record per
+Expert-parallel (several ranks, `quantkit.distributed.World`): each rank holds only the experts it owns
+(`experts[e]` is None for the others). Each step, the ranks' MoE inputs (and their routing) are gathered,
+so every rank runs its experts on all the step's tokens — the statistics of an owned expert are complete
+on its rank — and the partial outputs are summed back (all_reduce), each rank keeping its own tokens'
+rows. A rank with fewer batches joins a step with no tokens (`idle_step`). The shared gate/up Hessian is
+accumulated from each rank's own tokens and summed over the ranks after the pass (`reduce_statistics`).
+
+`quantize_experts` then runs GPTQ per (owned) expert and returns the packed results plus one coverage record per
 expert: tokens under real routing, samples in its Hessians, damping, RTN fallback, relative
 reconstruction error `||WX - QX|| / ||WX||` (and what RTN would have given).
 """
@@ -30,6 +37,7 @@ from torch import nn
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
 from quantkit.calibrate.memory import release_free_memory
 from quantkit.checkpoint.source import SourceCheckpoint
+from quantkit.distributed import SINGLE, World
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
 from quantkit.recipe import GPTQSettings
 
@@ -39,7 +47,10 @@ if TYPE_CHECKING:
 __all__ = ["ExpertMoE", "quantize_experts"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-_ROWS_PER_CHUNK = 4096  # rows of stacked expert weights quantized in one GPTQ call (bounds memory)
+# rows of stacked expert weights quantized in one GPTQ call (bounds memory). On a GPU the column loop is
+# bound by kernel launches, not arithmetic: far more rows per loop (65536 rows x 7168 columns fp32 is
+# under 2 GB) cut the sequential column steps of a rank's 32 GLM-5 experts from ~262k to ~20k.
+_ROWS_PER_CHUNK = {"cpu": 4096, "cuda": 65536}
 Collect = Literal["all", "routed"]  # every token through every expert, or only the routed ones
 
 
@@ -57,33 +68,38 @@ class SourceWeight:
 
 
 ExpertWeight = torch.Tensor | PackedInt4 | SourceWeight
+ExpertWeights = dict[str, ExpertWeight]
 
 
 class ExpertMoE(nn.Module):
     """A MoE block with per-expert weights and optional per-expert Hessian collection."""
 
-    def __init__(self, gate: nn.Module, shared: nn.Module | None, experts: list[dict[str, torch.Tensor]],
-                 act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, gate: nn.Module, shared: nn.Module | None, experts: list[dict[str, torch.Tensor] | None],
+                 act: Callable[[torch.Tensor], torch.Tensor], world: World = SINGLE) -> None:
         super().__init__()
         self.gate = gate
         self.shared_experts = shared
-        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 once quantized
-        self.experts: list[dict[str, ExpertWeight]] = list(experts)
+        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 once quantized;
+        # None for the experts another rank owns
+        self.experts: list[ExpertWeights | None] = list(experts)
+        self.owned = [e for e, w in enumerate(self.experts) if w is not None]
+        self.world = world
         self.act = act
         self.group_size = 0  # of the packed experts
         self.collect: Collect | None = None
-        self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)
+        self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)  # all experts, whoever owns them
         self.h_in: HessianAccumulator | None = None
-        self.h_in_expert: list[HessianAccumulator] = []
-        self.h_down: list[HessianAccumulator] = []
+        # per expert (None for another rank's)
+        self.h_in_expert: list[HessianAccumulator | None] = []
+        self.h_down: list[HessianAccumulator | None] = []
         self.inputs: list[torch.Tensor] | None = None  # MoE inputs kept (mode "all", when they fit)
         self.routes: list[torch.Tensor] = []  # their top-k expert indices, for routed-token weighting
         self.outputs = True  # False while collecting: routed experts skipped, the output is not the model's
 
     @classmethod
     def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module,
-                    lazy: bool = False) -> ExpertMoE:
-        """Load router, shared experts and per-expert weights (names under `base` = `...mlp.`).
+                    lazy: bool = False, world: World = SINGLE) -> ExpertMoE:
+        """Load router, shared experts and this rank's experts (names under `base` = `...mlp.`).
 
         `lazy`: the routed experts are left in the source (`SourceWeight`) and read when GPTQ reaches
         them (`load`), so a layer never holds all of them unquantized: for a statistics pass that keeps
@@ -99,28 +115,39 @@ class ExpertMoE(nn.Module):
                 return SourceWeight(source, name, dtype, torch.Size(source.logical[name].shape))
             return source.read(name, dtype)  # straight in the model dtype: no fp32 copy
 
-        experts = [{p: weight(f"{base}experts.{e}.{p}.weight") for p in PROJS} for e in range(n)]
-        return cls(gate, shared, experts, hf_moe.experts.act_fn)
+        owned = set(world.mine(list(range(n))))
+        experts = [{p: weight(f"{base}experts.{e}.{p}.weight") for p in PROJS} if e in owned else None
+                   for e in range(n)]
+        return cls(gate, shared, experts, hf_moe.experts.act_fn, world)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ExpertMoE:
         """`.to(device)` must move the plain expert tensors too (they are not parameters)."""
         super()._apply(fn, recurse)
-        self.experts = [{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in w.items()} for w in self.experts]
+        self.experts = [None if w is None else {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in w.items()}
+                        for w in self.experts]
         return self
 
     # ---- weights ---------------------------------------------------------------------------------
     def _device(self) -> torch.device:
-        """Where the experts run: an expert weight's device, else the router's (lazy experts)."""
-        w = self.experts[0]["gate_proj"]
-        if isinstance(w, torch.Tensor):
-            return w.device
-        if isinstance(w, PackedInt4):
-            return w.weight_packed.device
+        """Where the experts run: a held expert weight's device, else the router's (lazy experts)."""
+        for e in self.owned:
+            w = self.held(e)["gate_proj"]
+            if isinstance(w, torch.Tensor):
+                return w.device
+            if isinstance(w, PackedInt4):
+                return w.weight_packed.device
         return next(iter(self.gate.parameters()), torch.empty(0)).device
+
+    def held(self, e: int) -> ExpertWeights:
+        """Expert `e`'s weights (this rank must own it)."""
+        w = self.experts[e]
+        if w is None:
+            raise ValueError(f"expert {e} is owned by another rank")
+        return w
 
     def weight(self, e: int, proj: str) -> torch.Tensor:
         """Expert `e`'s `proj` weight in fp32 (dequantized when already quantized, read when still lazy)."""
-        w = self.experts[e][proj]
+        w = self.held(e)[proj]
         if isinstance(w, PackedInt4):
             return dequantize_group(unpack_nibbles(w.weight_packed), w.weight_scale, self.group_size)
         if isinstance(w, SourceWeight):
@@ -131,9 +158,9 @@ class ExpertMoE(nn.Module):
         """Read the lazy weights `projs` of `experts` from the source (no-op for those already held)."""
         for e in experts:
             for p in projs:
-                w = self.experts[e][p]
+                w = self.held(e)[p]
                 if isinstance(w, SourceWeight):
-                    self.experts[e][p] = w.read(self._device())
+                    self.held(e)[p] = w.read(self._device())
 
     def _inner(self, e: int, x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> torch.Tensor:
@@ -148,16 +175,23 @@ class ExpertMoE(nn.Module):
         accumulating a down_proj Hessian per expert — use it when the calibration activations fit in RAM.
         `outputs=False` (with kept inputs) skips the routed experts: the forward's output is then the shared
         experts' only, for callers that discard it."""
-        w = self.experts[0]
-        hidden, inter, dev = w["gate_proj"].shape[1], w["down_proj"].shape[1], self._device()
+        hidden = self.held(self.owned[0])["gate_proj"].shape[1] if self.owned else self.gate.weight.shape[1]
+        dev = self._device()
         self.collect = mode
         if mode == "all":
             self.h_in = HessianAccumulator(hidden, dev)
         else:
-            self.h_in_expert = [HessianAccumulator(hidden, dev) for _ in self.experts]
+            self.h_in_expert = [None if w is None else HessianAccumulator(hidden, dev) for w in self.experts]
         self.inputs = [] if keep_inputs and mode == "all" else None
-        self.h_down = [] if self.inputs is not None else [HessianAccumulator(inter, dev) for _ in self.experts]
+        self.h_down = [] if self.inputs is not None else [
+            None if w is None else HessianAccumulator(w["down_proj"].shape[1], dev) for w in self.experts]
         self.outputs = outputs or self.inputs is None
+
+    def reduce_statistics(self) -> None:
+        """After the collecting pass: sum the shared gate/up Hessian over the ranks (each rank added its own
+        tokens; the per-expert statistics are complete on the expert's rank already). A collective."""
+        if self.h_in is not None:
+            self.h_in.all_reduce(self.world)
 
     def stop_collecting(self) -> None:
         """Drop every statistic (the output pass needs none: a `hidden x hidden` fp32 Hessian is 196 MiB
@@ -177,7 +211,7 @@ class ExpertMoE(nn.Module):
         """
         if self.inputs is None:
             return self.h_down[e].hessian(), self.h_down[e].count
-        acc = HessianAccumulator(self.experts[e]["down_proj"].shape[1], self.inputs[0].device)
+        acc = HessianAccumulator(self.held(e)["down_proj"].shape[1], self.inputs[0].device)
         gate_up = self.weight(e, "gate_proj"), self.weight(e, "up_proj")  # upcast (or read) once, not per batch
         for x, index in zip(self.inputs, self.routes, strict=True):
             acc.add(self._inner(e, x, gate_up), _token_weights(index, e, routed_weight))
@@ -199,16 +233,35 @@ class ExpertMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, index = self.gate(x)
+        out = self._routed(x, weights, index).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+    def idle_step(self) -> None:
+        """Join one expert-parallel step with no tokens of this rank's own (it has no batch left)."""
+        dev = self.gate.weight.device
+        k = int(self.gate.top_k)
+        self._routed(torch.zeros(0, self.gate.weight.shape[1], device=dev), torch.zeros(0, k, device=dev),
+                     torch.zeros(0, k, dtype=torch.long, device=dev))
+
+    def _routed(self, x_own: torch.Tensor, w_own: torch.Tensor, i_own: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for this rank's tokens `x_own` (their top-k weights and indices);
+        statistics for this rank's experts from the tokens of every rank (collectives when several)."""
+        if self.world.size > 1:
+            (x, weights, index), rows = self.world.all_gather_rows([x_own, w_own.float(), i_own])
+        else:
+            x, weights, index, rows = x_own, w_own, i_own, [x_own.shape[0]]
         out = torch.zeros_like(x)
         if self.collect == "all":
-            self.h_in.add(x)
+            self.h_in.add(x_own)  # this rank's tokens; summed over the ranks by reduce_statistics
             if self.inputs is not None:
                 self.inputs.append(x.detach().clone())
                 self.routes.append(index.detach().clone())
-        for e in range(len(self.experts)):
+        if self.collect is not None:
+            self.routed_tokens += torch.bincount(index.flatten().cpu(), minlength=len(self.experts))
+        for e in self.owned:
             token, slot = torch.where(index == e)
-            if self.collect is not None:
-                self.routed_tokens[e] += token.numel()
             if not self.outputs:
                 continue
             if self.collect == "all" and self.inputs is None:
@@ -227,9 +280,9 @@ class ExpertMoE(nn.Module):
                 continue
             y = a @ self.weight(e, "down_proj").t()
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
-        out = out.view(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+        if self.world.size > 1:
+            start = sum(rows[: self.world.rank])
+            out = self.world.all_reduce(out)[start : start + rows[self.world.rank]]
         return out
 
 
@@ -256,17 +309,20 @@ def quantize_experts(
     settings: GPTQSettings,
     scale_dtype: torch.dtype,
 ) -> tuple[dict[str, PackedInt4], list[dict[str, Any]]]:
-    """GPTQ every routed expert of `moe` (collected statistics required); swap in the packed results.
+    """GPTQ every routed expert this rank holds (collected statistics required); swap in the packed results.
 
     `module_base` is the experts' module prefix (`model.layers.N.mlp.experts.`). Returns packed results
-    (on the CPU) by module name and one coverage record per expert. The down projections go first: their
-    Hessians are built from the source gate/up weights.
+    (on the CPU) by module name and one coverage record per expert, in expert order. The down projections
+    go first: their Hessians are built from the source gate/up weights.
     """
-    n = len(moe.experts)
+    owned = moe.owned
     damp, block, actorder = settings.dampening_frac, settings.block_size, settings.actorder == "static"
     packed: dict[str, PackedInt4] = {}
-    records = [_record(moe, layer, e) for e in range(n)]
+    records = {e: _record(moe, layer, e) for e in owned}
     moe.group_size = group_size
+    if not owned:
+        return packed, []
+    first = moe.held(owned[0])
 
     def finish(e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor) -> None:
         _finish(moe, e, proj, q, s, factor, h, group_size, scale_dtype, records[e], packed, module_base)
@@ -279,27 +335,28 @@ def quantize_experts(
         finish(e, "gate_proj", q[:inter], s[:inter], factor, h)
         finish(e, "up_proj", q[inter:], s[inter:], factor, h)
 
-    for chunk in _chunks(n, moe.experts[0]["down_proj"].shape[0]):
+    limit = _ROWS_PER_CHUNK.get(moe._device().type, _ROWS_PER_CHUNK["cpu"])
+    for chunk in _chunks(owned, first["down_proj"].shape[0], limit):
         hessians = [moe.down_hessian(e, settings.routed_token_weight) for e in chunk]
         moe.load(chunk, ("down_proj",))
         for e, (_, count) in zip(chunk, hessians, strict=True):
             records[e]["samples"]["down"] = count
         factors = [prepare(h, damp, actorder) for h, _ in hessians]
-        results = quantize_many([moe.experts[e]["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
+        results = quantize_many([moe.held(e)["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
                                 settings.scale_search)
         for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
             finish(e, "down_proj", q, s, factor, h)
         del hessians, factors, results
         release_free_memory()  # the chunk's work and the source weights it replaced
 
-    inter = moe.experts[0]["gate_proj"].shape[0]
+    inter = first["gate_proj"].shape[0]
     weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
     if moe.h_in is not None and not weighted:  # one gate/up Hessian and factor for all experts
-        h, count = moe.in_hessian(0)
+        h, count = moe.in_hessian(owned[0])
         factor = prepare(h, damp, actorder)
-        for chunk in _chunks(n, 2 * inter):
+        for chunk in _chunks(owned, 2 * inter, limit):
             moe.load(chunk, ("gate_proj", "up_proj"))
-            rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")])
+            rows = torch.cat([moe.held(e)[p] for e in chunk for p in ("gate_proj", "up_proj")])
             q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
             del rows
             for i, e in enumerate(chunk):
@@ -308,23 +365,23 @@ def quantize_experts(
             del q, s
             release_free_memory()
     else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
-        for chunk in _chunks(n, 2 * inter):
+        for chunk in _chunks(owned, 2 * inter, limit):
             hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
             factors = [prepare(h, damp, actorder) for h, _ in hessians]
             moe.load(chunk, ("gate_proj", "up_proj"))
-            rows = [torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]]) for e in chunk]
+            rows = [torch.cat([moe.held(e)["gate_proj"], moe.held(e)["up_proj"]]) for e in chunk]
             results = quantize_many(rows, factors, group_size, block, scale_dtype, settings.scale_search)
             del rows
             for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
                 _finish_gate_up(e, q, s, factor, h, count)
             del hessians, factors, results
             release_free_memory()
-    return packed, records
+    return packed, [records[e] for e in owned]
 
 
-def _chunks(n: int, rows_per_expert: int) -> list[list[int]]:
-    per = max(1, _ROWS_PER_CHUNK // max(rows_per_expert, 1))
-    return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+def _chunks(experts: list[int], rows_per_expert: int, limit: int) -> list[list[int]]:
+    per = max(1, limit // max(rows_per_expert, 1))
+    return [experts[i : i + per] for i in range(0, len(experts), per)]
 
 
 def _record(moe: ExpertMoE, layer: int, e: int) -> dict[str, Any]:
@@ -348,11 +405,11 @@ def _finish(moe: ExpertMoE, e: int, proj: str, q: torch.Tensor, s: torch.Tensor,
     if factor.failure:
         record["fallback"][proj] = f"rtn: {factor.failure}"
     record["rel_error"][proj], record["rtn_rel_error"][proj] = module_errors(
-        moe.experts[e][proj], q, s, h, group_size, scale_dtype)
+        moe.held(e)[proj], q, s, h, group_size, scale_dtype)
     result = pack_int4(q, s.to(scale_dtype))
     packed[f"{base}{e}.{proj}"] = PackedInt4(result.weight_packed.cpu(), result.weight_scale.cpu(),
                                              result.weight_shape)
-    moe.experts[e][proj] = result
+    moe.held(e)[proj] = result
 
 
 def module_errors(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, h: torch.Tensor, group_size: int,

@@ -1,7 +1,9 @@
 """What a calibration run hands the converter: packed GPTQ modules, KV scales, reports, a summary.
 
 Everything is read back from the per-layer files in the work directory, so a resumed run and an
-uninterrupted one produce the same result object.
+uninterrupted one produce the same result object. A layer calibrated by several ranks keeps each rank's
+packed modules in a part file its layer file lists; every rank can load the result, whatever the world
+size that made each layer.
 """
 
 from __future__ import annotations
@@ -43,9 +45,16 @@ class CalibrationResult:
             path = work_dir / f"layer_{layer:04d}.safetensors"
             with safe_open(path, framework="pt") as f:
                 meta = f.metadata() or {}
-                for key in f.keys():
+                keys = list(f.keys())
+            # a layer made by several ranks lists their part files (whatever the world size reading it)
+            files = [(path, keys)] + [(work_dir / name, None) for name in json.loads(meta.get("parts", "[]"))]
+            for file, names in files:
+                if names is None:
+                    with safe_open(file, framework="pt") as f:
+                        names = list(f.keys())
+                for key in names:
                     if key.endswith(".weight_packed"):
-                        res.where[key[: -len(".weight_packed")]] = path
+                        res.where[key[: -len(".weight_packed")]] = file
             res.coverage += json.loads(meta.get("coverage", "[]"))
             res.modules += json.loads(meta.get("modules", "[]"))
             kv = json.loads(meta.get("kv", "null"))

@@ -13,10 +13,25 @@ boundary (that is what makes resume possible) and also kept in memory while they
 `work_dir` survives a crash; a rerun with the same source, recipe and data skips every finished layer
 and starts from the first unfinished one. A changed recipe or dataset invalidates the work directory.
 MTP layers are not calibrated (they need the main model's final hidden states); the converter RTNs them.
+
+Across ranks (`world`, torch.distributed; every rank calls `calibrate` with the same arguments and a
+`work_dir` on the filesystem they share):
+- the calibration batches are dealt round-robin (batch i to rank i % N); each rank forwards only its
+  own through the dense parts; `acts_NNNN/bNNNNNN.safetensors` stays keyed by the global batch index,
+  so a rerun with another world size reads any batch;
+- the routed experts are dealt round-robin too; a rank reads from the source only the experts it owns,
+  and the MoE forward is expert-parallel (`moe.ExpertMoE`); ranks with fewer batches join the remaining
+  steps without tokens;
+- dense Hessians are summed over the ranks (all_reduce), the dense GPTQ solves are dealt to ranks by
+  size and their codes + scales broadcast, so every rank holds the same quantized layer;
+- each rank writes its packed results to `layer_NNNN.partRofN.safetensors`; after all have (a
+  collective), rank 0 publishes `layer_NNNN.safetensors`: coverage, module records, KV statistics
+  summed over the ranks, and the list of parts. That file is the one journal, whatever the world size.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -41,7 +56,7 @@ from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.distributed import SINGLE, World
-from quantkit.durable import write_json_atomic
+from quantkit.durable import fsync_dir, fsync_file, write_json_atomic
 from quantkit.errors import QuantkitError
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4
 from quantkit.recipe import Recipe
@@ -73,26 +88,37 @@ def calibrate(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress
     """The converter's entry point: GPTQ (when `recipe.method == "gptq"`) and/or KV statistics.
 
     `device` None picks CUDA when present (calibration is forward passes and GPTQ: a GPU helps); the
-    converter passes its `--device`. `world`: the ranks of a torchrun run (every rank calls this).
+    converter passes its `--device` (per rank: `cuda:LOCAL_RANK`). With several ranks every rank calls
+    this with the same arguments, `world` already started, and gets the same result.
     """
-    if world.size > 1:
-        raise QuantkitError("distributed calibration is not in this build: run GPTQ/KV calibration in one process")
     opts = RunOptions(quantize=recipe.method == "gptq", device=device)
-    return run(source, recipe, Path(work_dir), progress, opts)
+    return run(source, recipe, Path(work_dir), progress, opts, world)
+
+
+@dataclass
+class _Schedule:
+    """Which calibration batches this rank forwards, and how many expert-parallel steps all ranks take."""
+
+    batches: list[int]  # global batch indices, in order
+    steps: int  # the most batches any rank has (ranks with fewer join the last steps without tokens)
+
+    @classmethod
+    def of(cls, n_batches: int, world: World) -> _Schedule:
+        return cls(world.mine(list(range(n_batches))), -(-n_batches // world.size))
 
 
 def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Progress | None,
-        opts: RunOptions) -> CalibrationResult:
+        opts: RunOptions, world: World = SINGLE) -> CalibrationResult:
     say = progress or (lambda _m: None)
-    _threads(opts)
+    _threads(opts, world)
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     adapter = source.adapter
     cfg = L.hf_config(source.config)
     tokens = opts.tokens if opts.tokens is not None else _tokens(source, recipe)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    _check_manifest(work_dir, source, recipe, tokens, opts, say)
+    _check_manifest(work_dir, source, recipe, tokens, opts, say, world)
     kv_layout = adapter.kv_layout if recipe.kv_cache == "fp8" else None
     roles = {Role(r) for r in recipe.quantize_roles} if opts.quantize else set()
+    schedule = _Schedule.of(-(-tokens.shape[0] // opts.batch_size), world)
     start = _first_unfinished(work_dir, adapter.num_layers)
     if start == adapter.num_layers:
         say("calibration: all layers already done (resumed)")
@@ -100,24 +126,32 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
     if start > 0:
         say(f"calibration: resuming at layer {start} of {adapter.num_layers}")
     else:
-        _write_acts(work_dir / "acts_0000", _embed(source, tokens, opts.batch_size, adapter.prefix), None)
+        _write_acts(work_dir / "acts_0000", _embed(source, tokens, opts.batch_size, adapter.prefix, schedule.batches),
+                    world)
     rope = L.rotary(cfg)
     t0 = time.time()
     for layer in range(start, adapter.num_layers):
         t = time.time()
-        acts = Acts.open(work_dir / f"acts_{layer:04d}", opts.memory_budget)
-        _run_layer(source, cfg, rope, layer, acts, work_dir, recipe, roles, kv_layout, opts, device)
-        shutil.rmtree(work_dir / f"acts_{layer:04d}", ignore_errors=True)
-        say(f"calibration: layer {layer + 1}/{adapter.num_layers} done in {time.time() - t:.1f}s")
+        acts = Acts.open(work_dir / f"acts_{layer:04d}", opts.memory_budget, schedule.batches)
+        phases = _run_layer(source, cfg, rope, layer, acts, work_dir, recipe, roles, kv_layout, opts, device, world,
+                            schedule.steps)
+        del acts
+        gc.collect()  # the layer's modules hold reference cycles: free them before the next layer is built
+        if world.is_main:  # every rank is past its reads (the layer ended with a collective)
+            shutil.rmtree(work_dir / f"acts_{layer:04d}", ignore_errors=True)
+        times = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
+        say(f"calibration: layer {layer + 1}/{adapter.num_layers} done in {time.time() - t:.1f}s ({times})")
     say(f"calibration: {adapter.num_layers - start} layers in {time.time() - t0:.1f}s")
     return CalibrationResult.load(work_dir, adapter, recipe)
 
 
-def _threads(opts: RunOptions) -> None:
+def _threads(opts: RunOptions, world: World) -> None:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     elif not torch.cuda.is_available():
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        # ranks started on one machine share its cores (torchrun says how many it started here)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world.size > 1 else 1
+        torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // max(local, 1))))
 
 
 def _tokens(source: SourceCheckpoint, recipe: Recipe) -> torch.Tensor:
@@ -137,23 +171,33 @@ def _tokens(source: SourceCheckpoint, recipe: Recipe) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------- resume bookkeeping
 def _check_manifest(work_dir: Path, source: SourceCheckpoint, recipe: Recipe, tokens: torch.Tensor, opts: RunOptions,
-                    say: Progress) -> None:
-    """Invalidate `work_dir` when it was made for other inputs (source, recipe, data, mode)."""
+                    say: Progress, world: World = SINGLE) -> None:
+    """Invalidate `work_dir` when it was made for other inputs (source, recipe, data, mode).
+
+    The world size is not part of the key: a rerun with another one resumes. With several ranks, all
+    must have the same inputs (checked), and rank 0 alone touches the directory.
+    """
     key = hashlib.sha256()
     key.update(tokens.numpy().tobytes())
     key.update(json.dumps(recipe.model_dump(mode="json"), sort_keys=True).encode())
     key.update(json.dumps(source.config, sort_keys=True).encode())
     key.update(repr((opts.quantize, opts.all_experts, opts.batch_size)).encode())
     manifest = {"key": key.hexdigest(), "layers": source.adapter.num_layers}
-    path = work_dir / "manifest.json"
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("key") == manifest["key"]:
-            return
-        say("calibration: work directory was made with other inputs; starting over")
-        for p in work_dir.iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    write_json_atomic(path, manifest, indent=None)
+    keys = world.all_gather_object(manifest["key"])
+    if any(k != keys[0] for k in keys):
+        other = next(r for r, k in enumerate(keys) if k != keys[0])
+        raise QuantkitError(f"{work_dir}: rank {other} has other calibration inputs (data, recipe or source) than "
+                            "rank 0; every rank must run the same command")
+    if world.is_main:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        path = work_dir / "manifest.json"
+        if path.exists() and json.loads(path.read_text()).get("key") != manifest["key"]:
+            say("calibration: work directory was made with other inputs; starting over")
+            for p in work_dir.iterdir():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if not path.exists():
+            write_json_atomic(path, manifest, indent=None)
+    world.barrier()
 
 
 def layer_file(work_dir: Path, layer: int) -> Path:
@@ -172,17 +216,29 @@ def _first_unfinished(work_dir: Path, n: int) -> int:
 
 # ---------------------------------------------------------------------------------------- activations
 class Acts:
-    """The inputs of one layer: batches of hidden states (+ DSA top-k indices), from RAM or disk."""
+    """This rank's inputs of one layer: batches of hidden states (+ DSA top-k indices), from RAM or disk.
 
-    def __init__(self, path: Path, files: list[Path], cached: list[dict[str, torch.Tensor]] | None) -> None:
-        self.path, self.files, self.cached = path, files, cached
+    `indices` are the global batch indices; `total` is the size of every rank's batches together.
+    """
+
+    def __init__(self, path: Path, indices: list[int], cached: list[dict[str, torch.Tensor]] | None,
+                 total: int) -> None:
+        self.path, self.indices, self.cached, self.total = path, indices, cached, total
+        self.files = [batch_file(path, i) for i in indices]
 
     @classmethod
-    def open(cls, path: Path, budget: int) -> Acts:
-        files = sorted(path.glob("b*.safetensors"))
-        size = sum(f.stat().st_size for f in files)
-        cached = [_load(f) for f in files] if size <= budget else None
-        return cls(path, files, cached)
+    def open(cls, path: Path, budget: int, indices: list[int]) -> Acts:
+        missing = [i for i in indices if not batch_file(path, i).exists()]
+        if missing:
+            raise QuantkitError(f"{batch_file(path, missing[0])}: calibration batch missing (the work directory "
+                                "was made with another batch size?); delete the directory to restart")
+        size = sum(batch_file(path, i).stat().st_size for i in indices)
+        total = sum(f.stat().st_size for f in path.glob("b*.safetensors"))
+        cached = [_load(batch_file(path, i)) for i in indices] if size <= budget else None
+        return cls(path, indices, cached, total)
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.cached is not None:
@@ -192,59 +248,79 @@ class Acts:
                 yield _load(f)
 
 
+def batch_file(acts_dir: Path, index: int) -> Path:
+    """The activations of global calibration batch `index` at one layer boundary."""
+    return acts_dir / f"b{index:06d}.safetensors"
+
+
 def _load(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(path, framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
 class ActsWriter:
-    """Writes a layer's outputs batch by batch into a temporary directory, published by `close`."""
+    """Writes a layer's outputs batch by batch into a temporary directory, published by `close`.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    With several ranks each writes its own batches; rank 0 prepares the directory and publishes it, and
+    both `__init__` and `close` are collectives."""
+
+    def __init__(self, path: Path, world: World = SINGLE) -> None:
+        self.path, self.world = path, world
         self.tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        shutil.rmtree(path, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        self.n = 0
+        if world.is_main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+            self.tmp.mkdir(parents=True)
+        world.barrier()
 
-    def add(self, hidden: torch.Tensor, topk: torch.Tensor | None) -> None:
+    def add(self, index: int, hidden: torch.Tensor, topk: torch.Tensor | None) -> None:
+        """The outputs of global batch `index`."""
         t = {"hidden": hidden.detach().to("cpu", torch.float32).contiguous()}
         if topk is not None:
             t["topk"] = topk.detach().to("cpu", torch.int32).contiguous()
-        save_file(t, str(self.tmp / f"b{self.n:06d}.safetensors"))
-        self.n += 1
+        save_file(t, str(batch_file(self.tmp, index)))
 
     def close(self) -> None:
-        (self.tmp / "done").write_text("")
-        os.replace(self.tmp, self.path)
+        self.world.barrier()  # every rank's batches are written
+        if self.world.is_main:
+            (self.tmp / "done").write_text("")
+            os.replace(self.tmp, self.path)
 
 
-def _write_acts(path: Path, batches: Iterator[torch.Tensor], _topk: None) -> None:
-    w = ActsWriter(path)
-    for h in batches:
-        w.add(h, None)
+def _write_acts(path: Path, batches: Iterator[tuple[int, torch.Tensor]], world: World) -> None:
+    w = ActsWriter(path, world)
+    for i, h in batches:
+        w.add(i, h, None)
     w.close()
+    world.barrier()  # published before any rank reads it
 
 
-def _embed(source: SourceCheckpoint, tokens: torch.Tensor, batch: int, prefix: str) -> Iterator[torch.Tensor]:
+def _embed(source: SourceCheckpoint, tokens: torch.Tensor, batch: int, prefix: str,
+           indices: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
     table = source.read(f"{prefix}model.embed_tokens.weight", torch.float32)
-    for i in range(0, tokens.shape[0], batch):
-        yield nn.functional.embedding(tokens[i : i + batch], table)
+    for i in indices:
+        yield i, nn.functional.embedding(tokens[i * batch : (i + 1) * batch], table)
 
 
 # -------------------------------------------------------------------------------------- one layer
 def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module, layer: int, acts: Acts, work_dir: Path,
-               recipe: Recipe,
-               roles: set[Role], kv_layout: str | None, opts: RunOptions, device: torch.device) -> None:
+               recipe: Recipe, roles: set[Role], kv_layout: str | None, opts: RunOptions, device: torch.device,
+               world: World = SINGLE, steps: int | None = None) -> dict[str, float]:
+    """Calibrate one layer and publish it; returns the seconds spent per phase (this rank's)."""
     adapter = source.adapter
     base = f"{adapter.prefix}model.layers.{layer}."
-    # with the MoE inputs kept, the statistics pass needs no routed expert: they are read as GPTQ needs them
-    keep_inputs = Role.ROUTED_EXPERT in roles and acts.cached is not None and opts.all_experts
-    module = L.build_layer(source, cfg, layer, adapter.prefix, lazy_experts=keep_inputs).to(device)
+    steps = len(acts) if steps is None else steps
+    phases: dict[str, float] = {}
+    t = time.time()
+    # the MoE inputs (of every rank's tokens) are kept when they fit in RAM; then the statistics pass needs no
+    # routed expert: they are read as GPTQ needs them
+    keep_inputs = acts.total <= opts.memory_budget
+    lazy = keep_inputs and Role.ROUTED_EXPERT in roles and opts.all_experts
+    module = L.build_layer(source, cfg, layer, adapter.prefix, lazy_experts=lazy, world=world).to(device)
     if hasattr(source, "close"):
         source.close()  # unmap the shards just read: their pages would otherwise stay in this process's RSS
     release_free_memory()  # at each phase boundary: what the phase freed leaves the RSS (memory.py)
+    phases["load"] = time.time() - t
     moe = module.mlp if isinstance(getattr(module, "mlp", None), ExpertMoE) else None
     quantize_moe = moe is not None and Role.ROUTED_EXPERT in roles
     linears = _target_linears(module, base, adapter, roles)
@@ -252,35 +328,61 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     coverage: list[dict[str, Any]] = []
     modules: list[dict[str, Any]] = []
     if quantize_moe or linears:
+        t = time.time()
         hessians = {name: HessianAccumulator(lin.in_features, device) for name, lin in linears.items()}
         hooks = [lin.register_forward_pre_hook(_hessian_hook(hessians[name])) for name, lin in linears.items()]
         if quantize_moe:  # MoE inputs kept (not one Hessian per expert) when the activations fit in RAM
-            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=keep_inputs,
-                                 outputs=not keep_inputs)
-        _forward_all(module, rope, acts, cfg, device, None, None)
+            moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=keep_inputs, outputs=not lazy)
+        _forward_all(module, rope, acts, cfg, device, None, None, moe, steps)
         for h in hooks:
             h.remove()
         release_free_memory()
+        for acc in hessians.values():
+            acc.all_reduce(world)
+        if quantize_moe:
+            moe.reduce_statistics()
+        phases["pass1"] = time.time() - t
+        t = time.time()
         dtype = source.model_dtype
         if quantize_moe:
             p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size, recipe.gptq, dtype)
             packed.update(p)
             moe.stop_collecting()
+        owners = _linear_owners(linears, world)
         for name, lin in linears.items():
-            packed[base + name], rec = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype)
-            modules.append({"layer": layer, "module": base + name, **rec})
+            result = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype, world, owners[name])
+            if result is not None:
+                packed[base + name], rec = result
+                modules.append({"layer": layer, "module": base + name, **rec})
         del hessians  # pass-1 statistics are not needed by pass 2
         release_free_memory()
+        phases["gptq"] = time.time() - t
+    t = time.time()
     last = layer == adapter.num_layers - 1
     stats = KVStats(kv_layout) if kv_layout else None
-    writer = None if last else ActsWriter(work_dir / f"acts_{layer + 1:04d}")
+    writer = None if last else ActsWriter(work_dir / f"acts_{layer + 1:04d}", world)
     if writer is not None or stats is not None:
-        _forward_all(module, rope, acts, cfg, device, writer, stats)
+        _forward_all(module, rope, acts, cfg, device, writer, stats, moe, steps)
     if writer is not None:
         writer.close()
-    _save_layer(work_dir, layer, packed, coverage, modules, stats)
+    phases["pass2"] = time.time() - t
+    t = time.time()
+    _save_layer(work_dir, layer, packed, coverage, modules, stats, world, [base + n for n in linears])
     del module, packed
     release_free_memory()
+    phases["save"] = time.time() - t
+    return phases
+
+
+def _linear_owners(linears: dict[str, nn.Linear], world: World) -> dict[str, int]:
+    """The rank that solves each dense Linear: dealt by GPTQ cost (~ in^2 (in + out)), largest first."""
+    names = list(linears)
+    cost = [linears[n].in_features ** 2 * (linears[n].in_features + linears[n].out_features) for n in names]
+    owner = dict.fromkeys(names, 0)
+    for r in range(world.size):
+        for i in World(r, world.size).balanced(cost):
+            owner[names[i]] = r
+    return owner
 
 
 def _target_linears(module: nn.Module, base: str, adapter: Adapter, roles: set[Role]) -> dict[str, nn.Linear]:
@@ -300,33 +402,45 @@ def _hessian_hook(acc: HessianAccumulator) -> Callable[..., None]:
     return hook
 
 
-def _quantize_linear(lin: nn.Linear, h: torch.Tensor, recipe: Recipe, dtype: torch.dtype
-                     ) -> tuple[PackedInt4, dict[str, Any]]:
+def _quantize_linear(lin: nn.Linear, h: torch.Tensor, recipe: Recipe, dtype: torch.dtype, world: World = SINGLE,
+                     owner: int = 0) -> tuple[PackedInt4, dict[str, Any]] | None:
+    """GPTQ of one dense Linear on rank `owner`; every rank gets its codes and scales (a broadcast) and swaps
+    in the dequantized weight. Returns the packed result and its record on the owner, None elsewhere."""
     g, gs = recipe.gptq, recipe.group_size
     w = lin.weight.data
-    factor = prepare(h, g.dampening_frac, g.actorder == "static")
-    q, s = quantize_rows(w, factor, gs, g.block_size, dtype, g.scale_search)
-    gptq_err, rtn_err = module_errors(w, q, s, h, gs, dtype)
-    rec = {
-        "damping": factor.damping,
-        "fallback": f"rtn: {factor.failure}" if factor.failure else None,
-        "rel_error": gptq_err,
-        "rtn_rel_error": rtn_err,
-    }
+    mine = owner == world.rank
+    if mine:
+        factor = prepare(h, g.dampening_frac, g.actorder == "static")
+        q, s = quantize_rows(w, factor, gs, g.block_size, dtype, g.scale_search)
+        gptq_err, rtn_err = module_errors(w, q, s, h, gs, dtype)
+        rec = {
+            "damping": factor.damping,
+            "fallback": f"rtn: {factor.failure}" if factor.failure else None,
+            "rel_error": gptq_err,
+            "rtn_rel_error": rtn_err,
+        }
+    else:
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        s = torch.empty((w.shape[0], w.shape[1] // gs), dtype=dtype, device=w.device)
+    q, s = world.broadcast_exact(q, owner), world.broadcast_exact(s, owner)
     lin.weight.data = dequantize_group(q, s, gs).to(w.dtype)
-    return pack_int4(q.cpu(), s.to(dtype).cpu()), rec
+    return (pack_int4(q.cpu(), s.to(dtype).cpu()), rec) if mine else None
 
 
 @torch.no_grad()
 def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: PretrainedConfig, device: torch.device,
-                 writer: ActsWriter | None, stats: KVStats | None) -> None:
-    """Run the layer on every input batch; write outputs and/or observe what the KV cache would hold."""
+                 writer: ActsWriter | None, stats: KVStats | None, moe: ExpertMoE | None = None,
+                 steps: int = 0) -> None:
+    """Run the layer on this rank's input batches; write outputs and/or observe what the KV cache would hold.
+
+    With several ranks the MoE steps are collectives: after its own batches, a rank joins the remaining
+    `steps` without tokens."""
     dsa = family_for(cfg.model_type).kv_layout == KVLayout.DSA
     cache = StatCache(stats, cfg.qk_nope_head_dim if dsa else None) if stats is not None else None
     hook = None
     if dsa and stats is not None:  # DSA's cached latent: the kv_a_layernorm output (see StatCache)
         hook = module.self_attn.kv_a_layernorm.register_forward_hook(lambda _m, _a, out: stats.k.add(out))
-    for batch in acts:
+    for index, batch in zip(acts.indices, acts, strict=True):
         h = batch["hidden"].to(device)
         b, s = h.shape[:2]
         pos = torch.arange(s, device=device).unsqueeze(0)
@@ -340,23 +454,73 @@ def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: Pretrained
         if isinstance(out, tuple):
             out, topk = out[0], out[1]
         if writer is not None:
-            writer.add(out, topk)
+            writer.add(index, out, topk)
+    if moe is not None:
+        for _ in range(steps - len(acts)):
+            moe.idle_step()
     if hook is not None:
         hook.remove()
 
 
 def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], coverage: list[dict[str, Any]],
-                modules: list[dict[str, Any]], stats: KVStats | None) -> None:
-    """The layer's results, published atomically: its existence marks the layer as finished."""
+                modules: list[dict[str, Any]], stats: KVStats | None, world: World = SINGLE,
+                order: list[str] | None = None) -> None:
+    """The layer's results, published atomically: the existence of `layer_NNNN.safetensors` marks the
+    layer as finished. One process: everything in that file. Several ranks (a collective): each rank's
+    packed results in its part file, then rank 0 publishes the layer file with the gathered records, the
+    KV statistics of all ranks and the list of parts. `order` is the dense modules' order."""
     tensors: dict[str, torch.Tensor] = {}
     for name, p in packed.items():
         tensors.update({k: v.contiguous() for k, v in p.tensors(name).items()})
-    meta = {
-        "coverage": json.dumps(coverage),
-        "modules": json.dumps(modules),
-        "kv": json.dumps(stats.to_json() if stats else None),
-    }
     path = layer_file(work_dir, layer)
+    if world.size == 1:
+        meta = {
+            "coverage": json.dumps(coverage),
+            "modules": json.dumps(modules),
+            "kv": json.dumps(stats.to_json() if stats else None),
+        }
+        _publish(path, tensors, meta)
+        return
+    part = part_file(work_dir, layer, world.rank, world.size)
+    _publish(part, tensors, {"rank": str(world.rank), "world_size": str(world.size)})
+    gathered = world.all_gather_object({"coverage": coverage, "modules": modules,
+                                        "kv": stats.to_json() if stats else None})  # also: all parts written
+    if world.is_main:
+        ranks: list[dict[str, Any]] = gathered  # type: ignore[assignment]
+        position = {m: i for i, m in enumerate(order or [])}
+        parts = [part_file(work_dir, layer, r, world.size).name for r in range(world.size)]
+        meta = {
+            "coverage": json.dumps(sorted((c for g in ranks for c in g["coverage"]), key=lambda c: c["expert"])),
+            "modules": json.dumps(sorted((m for g in ranks for m in g["modules"]),
+                                         key=lambda m: position.get(m["module"], 0))),
+            "kv": json.dumps(_merge_kv([g["kv"] for g in ranks])),
+            "parts": json.dumps(parts),
+        }
+        _publish(path, {}, meta)
+        for stale in work_dir.glob(f"layer_{layer:04d}.part*"):  # from an interrupted run of another size
+            if stale.name not in parts:
+                stale.unlink(missing_ok=True)
+    world.barrier()
+
+
+def part_file(work_dir: Path, layer: int, rank: int, size: int) -> Path:
+    """Rank `rank`'s packed results of `layer` in a world of `size` ranks."""
+    return work_dir / f"layer_{layer:04d}.part{rank}of{size}.safetensors"
+
+
+def _merge_kv(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The KV statistics of all ranks as one (max of the maxima, sums of the counts and histograms)."""
+    if parts[0] is None:
+        return None
+    merged = KVStats.from_json(parts[0])
+    for p in parts[1:]:
+        merged = merged.merge(KVStats.from_json(p))  # type: ignore[arg-type]
+    return merged.to_json()
+
+
+def _publish(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    fsync_file(tmp)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
