@@ -132,7 +132,7 @@ def _quantize_counting_held(moe: ExpertMoE, source, monkeypatch) -> tuple[dict[s
     """quantize_experts on 2-expert chunks; the most routed-expert weights held unquantized at once."""
     import quantkit.calibrate.moe as moe_module
 
-    monkeypatch.setattr(moe_module, "_ROWS_PER_CHUNK", 2 * 128)  # 2 experts per chunk (tiny: 128 rows each)
+    monkeypatch.setattr(moe_module, "_ROWS_PER_CHUNK", {"cpu": 2 * 128, "cuda": 2 * 128})  # 2 experts per chunk
     held = [0]
     load = moe.load
 
