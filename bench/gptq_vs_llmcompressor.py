@@ -76,6 +76,11 @@ VARIANTS: dict[str, dict] = {
     "asymmetric + gate-up first + routed x3": {"asymmetric": True, "expert_order": "gate_up_first",
                                                "routed_token_weight": 2.0},
     "gate-up first + routed x3": {"expert_order": "gate_up_first", "routed_token_weight": 2.0},
+    "asymmetric + gate-up first + routed x3 + gate-up": {"asymmetric": True, "expert_order": "gate_up_first",
+                                                          "routed_token_weight": 2.0, "routed_weight_gate_up": True},
+    "asymmetric gate-up only": {"asymmetric": True, "asymmetric_down": False},
+    "asymmetric gate-up only + gate-up first": {"asymmetric": True, "asymmetric_down": False,
+                                                "expert_order": "gate_up_first"},
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quantkit.arch import Role, family_of_config
 from quantkit.errors import QuantkitError
@@ -34,14 +34,9 @@ class GPTQSettings(BaseModel):
     # full-precision activation stream; see quantkit/calibrate/asymmetric.py)
     asymmetric: bool = False
     asymmetric_strength: float = Field(1.0, ge=0, le=1)  # fraction of the asymmetric correction applied
+    asymmetric_down: bool = True  # routed experts' down_proj too (per-expert fp inner activations: costly)
     # routed experts: down_proj first (Hessian from source gate/up) or gate/up first (from the quantized ones)
     expert_order: Literal["down_first", "gate_up_first"] = "down_first"
-
-    @model_validator(mode="after")
-    def _combinations(self) -> GPTQSettings:
-        if self.routed_weight_gate_up and (self.asymmetric or self.expert_order != "down_first"):
-            raise ValueError("routed_weight_gate_up cannot be combined with asymmetric or expert_order")
-        return self
 
 
 class CalibrationSettings(BaseModel):

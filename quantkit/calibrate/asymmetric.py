@@ -111,13 +111,13 @@ class PairedPass:
     """Pass 1 of a layer on both activation streams, pairing every target module's inputs token by token.
 
     `hessians` (one per target Linear) receive the quantized stream's inputs, `cross[name]` the paired cross
-    term. For `moe` (collecting, mode "all"): the gate/up cross term, and either the full-precision MoE
-    inputs (`keep_inputs`, next to the quantized ones the MoE keeps itself) or per-expert `down_proj` cross
-    terms accumulated here.
+    term. For `moe` (collecting, mode "all"): the gate/up cross term, and (`expert_down`) either the
+    full-precision MoE inputs (`keep_inputs`, next to the quantized ones the MoE keeps itself) or per-expert
+    `down_proj` cross terms accumulated here.
     """
 
     def __init__(self, linears: dict[str, nn.Linear], hessians: dict[str, HessianAccumulator],
-                 moe: ExpertMoE | None, keep_inputs: bool) -> None:
+                 moe: ExpertMoE | None, keep_inputs: bool, expert_down: bool = True) -> None:
         self.phase: Phase = "fp"
         self.hessians = hessians
         self.cross = {name: CrossAccumulator(lin.in_features, lin.weight.device) for name, lin in linears.items()}
@@ -134,7 +134,7 @@ class PairedPass:
             self.moe_cross = CrossAccumulator(hidden, dev)
             if keep_inputs:
                 self.moe_fp = []
-            else:
+            elif expert_down:
                 self.down_cross = [CrossAccumulator(inter, dev) for _ in moe.experts]
             self.hooks.append(moe.register_forward_pre_hook(self._moe_hook))
 
@@ -161,7 +161,7 @@ class PairedPass:
         self.moe_cross.add(xf, x)
         if self.moe_fp is not None:
             self.moe_fp.append(xf)
-        else:
+        elif self.down_cross:
             for e, acc in enumerate(self.down_cross):
                 acc.add(self.moe._inner(e, xf), self.moe._inner(e, x))
 
@@ -218,26 +218,44 @@ def quantize_experts_ordered(
     moe.group_size = group_size
     inter = moe.experts[0]["gate_proj"].shape[0]
 
-    # gate/up: one Hessian, one factor and one shift for every expert
+    weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
+    # gate/up: one Hessian, one factor and one shift for every expert (unless routed tokens are weighted)
     h_in, count_in = moe.in_hessian(0)
-    f_in = prepare(h_in, damp, actorder)
-    m_in = shift_matrix(paired.moe_cross.cross(), f_in, strength) if paired and paired.moe_cross else None
+    f_in = prepare(h_in, damp, actorder) if not weighted else None
+    m_in = shift_matrix(paired.moe_cross.cross(), f_in, strength) if paired and paired.moe_cross and f_in else None
+
+    def finish_gate_up(e: int, rows: torch.Tensor, q: torch.Tensor, s: torch.Tensor, f: Factor, h: torch.Tensor,
+                       count: int) -> None:
+        records[e]["samples"]["gate_up"] = count
+        for j, proj in enumerate(("gate_proj", "up_proj")):
+            moe.experts[e][proj] = rows[j * inter:(j + 1) * inter]  # the target fitted (errors are against it)
+            _finish(moe, e, proj, q[j * inter:(j + 1) * inter], s[j * inter:(j + 1) * inter], f, h, group_size,
+                    scale_dtype, records[e], packed, module_base)
 
     def do_gate_up(chunk: list[int]) -> None:
-        rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")]).float()
-        if m_in is not None:
-            rows = rows + rows @ m_in.to(rows.device)
-        q, s = quantize_rows(rows, f_in, group_size, block, scale_dtype, settings.scale_search)
-        for i, e in enumerate(chunk):
-            records[e]["samples"]["gate_up"] = count_in
-            for j, proj in enumerate(("gate_proj", "up_proj")):
-                lo, hi = (2 * i + j) * inter, (2 * i + j + 1) * inter
-                moe.experts[e][proj] = rows[lo:hi] if m_in is not None else moe.experts[e][proj]
-                _finish(moe, e, proj, q[lo:hi], s[lo:hi], f_in, h_in, group_size, scale_dtype, records[e], packed,
-                        module_base)
+        if f_in is not None:
+            rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")]).float()
+            if m_in is not None:
+                rows = rows + rows @ m_in.to(rows.device)
+            q, s = quantize_rows(rows, f_in, group_size, block, scale_dtype, settings.scale_search)
+            for i, e in enumerate(chunk):
+                lo, hi = 2 * i * inter, (2 * i + 2) * inter
+                finish_gate_up(e, rows[lo:hi], q[lo:hi], s[lo:hi], f_in, h_in, count_in)
+            return
+        stats = [_gate_up_stats(moe, paired, e, settings.routed_token_weight) for e in chunk]
+        factors = [prepare(h, damp, actorder) for h, _, _ in stats]
+        ws = []
+        for e, f, (_, _, cross) in zip(chunk, factors, stats, strict=True):
+            w = torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]])
+            ws.append(shifted_target(w, cross, f, strength) if cross is not None else w.float())
+        results = quantize_many(ws, factors, group_size, block, scale_dtype, settings.scale_search)
+        for e, w, f, (h, count, _), (q, s) in zip(chunk, ws, factors, stats, results, strict=True):
+            finish_gate_up(e, w, q, s, f, h, count)
+
+    down_paired = paired if settings.asymmetric_down else None
 
     def do_down(chunk: list[int], source_gate_up: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        stats = [_down_stats(moe, paired, e, settings.routed_token_weight,
+        stats = [_down_stats(moe, down_paired, e, settings.routed_token_weight,
                              source_gate_up[e] if source_gate_up else None) for e in chunk]
         factors = [prepare(h, damp, actorder) for h, _, _ in stats]
         ws = []
@@ -253,7 +271,8 @@ def quantize_experts_ordered(
     hidden = moe.experts[0]["down_proj"].shape[0]
     if gate_up_first:  # per chunk: gate/up, then down on the quantized gate/up outputs
         for chunk in _chunks(n, max(2 * inter, hidden)):
-            source = {e: (moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]) for e in chunk} if paired else None
+            source = ({e: (moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]) for e in chunk}
+                      if down_paired else None)
             do_gate_up(chunk)
             do_down(chunk, source)
     else:
@@ -262,6 +281,19 @@ def quantize_experts_ordered(
         for chunk in _chunks(n, 2 * inter):
             do_gate_up(chunk)
     return packed, records
+
+
+def _gate_up_stats(moe: ExpertMoE, paired: PairedPass | None, e: int, routed_weight: float
+                   ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Expert `e`'s gate/up Hessian with its routed tokens weighted 1 + w (kept inputs), count and cross term."""
+    assert moe.inputs is not None
+    h, count = moe.in_hessian(e, routed_weight)
+    if paired is None or paired.moe_fp is None:
+        return h, count, None
+    acc = CrossAccumulator(h.shape[0], h.device)
+    for x, xf, index in zip(moe.inputs, paired.moe_fp, moe.routes, strict=True):
+        acc.add(xf, x, _token_weights(index, e, routed_weight))
+    return h, count, acc.cross()
 
 
 def _down_stats(moe: ExpertMoE, paired: PairedPass | None, e: int, routed_weight: float,
@@ -277,15 +309,12 @@ def _down_stats(moe: ExpertMoE, paired: PairedPass | None, e: int, routed_weight
     acc = HessianAccumulator(moe.experts[e]["down_proj"].shape[1], dev)
     cross_acc = CrossAccumulator(acc.sum.shape[0], dev) if paired is not None else None
     fps = paired.moe_fp if paired is not None and paired.moe_fp is not None else [None] * len(moe.inputs)
+    g, u = moe.weight(e, "gate_proj").t(), moe.weight(e, "up_proj").t()  # dequantized once, not per batch
+    gf, uf = (g, u) if source_gate_up is None else (source_gate_up[0].float().t(), source_gate_up[1].float().t())
     for x, xf, index in zip(moe.inputs, fps, moe.routes, strict=True):
         weight = _token_weights(index, e, routed_weight)
-        a = moe._inner(e, x)
+        a = moe.act(x @ g) * (x @ u)
         acc.add(a, weight)
         if cross_acc is not None and xf is not None:
-            if source_gate_up is None:
-                af = moe._inner(e, xf)
-            else:
-                g, u = source_gate_up
-                af = moe.act(xf @ g.float().t()) * (xf @ u.float().t())
-            cross_acc.add(af, a, weight)
+            cross_acc.add(moe.act(xf @ gf) * (xf @ uf), a, weight)
     return acc.hessian(), acc.count, cross_acc.cross() if cross_acc is not None else None

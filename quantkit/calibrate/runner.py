@@ -266,7 +266,8 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
             moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=acts.cached is not None)
         paired = None
         if fp_acts is not None:  # both streams, batch by batch; the fp outputs are the next fp inputs
-            paired = PairedPass(linears, hessians, moe if quantize_moe else None, acts.cached is not None)
+            paired = PairedPass(linears, hessians, moe if quantize_moe else None, acts.cached is not None,
+                                recipe.gptq.asymmetric_down)
             dsa = family_for(cfg.model_type).kv_layout == KVLayout.DSA
             paired.run(zip(acts, fp_acts, strict=True),
                        lambda batch: _forward_batch(module, rope, batch, cfg, device, dsa, None),
