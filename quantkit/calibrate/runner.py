@@ -105,7 +105,7 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
         t = time.time()
         budget = opts.memory_budget // 2 if asym else opts.memory_budget  # two streams share the budget
         acts = Acts.open(work_dir / f"acts_{layer:04d}", budget)
-        fp_acts = Acts.open(fp_dir(work_dir, layer), budget) if asym else None
+        fp_acts = (acts if layer == 0 else Acts.open(fp_dir(work_dir, layer), budget)) if asym else None
         _run_layer(source, cfg, rope, layer, acts, work_dir, recipe, roles, kv_layout, opts, device, fp_acts)
         shutil.rmtree(work_dir / f"acts_{layer:04d}", ignore_errors=True)
         if asym:
