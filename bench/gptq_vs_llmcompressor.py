@@ -72,6 +72,21 @@ VARIANTS: dict[str, dict] = {
     "routed x10": {"routed_token_weight": 9.0},
     "routed x3 + gate-up": {"routed_token_weight": 2.0, "routed_weight_gate_up": True},
     "mse + routed x3": {"scale_search": "mse", "routed_token_weight": 2.0},
+    "asymmetric": {"asymmetric": True},
+    "asymmetric 0.5": {"asymmetric": True, "asymmetric_strength": 0.5},
+    "asymmetric 0.25": {"asymmetric": True, "asymmetric_strength": 0.25},
+    "gate-up first": {"expert_order": "gate_up_first"},
+    "asymmetric + gate-up first": {"asymmetric": True, "expert_order": "gate_up_first"},
+    "asymmetric + routed x3": {"asymmetric": True, "routed_token_weight": 2.0},
+    "asymmetric 0.5 + gate-up first": {"asymmetric": True, "asymmetric_strength": 0.5, "expert_order": "gate_up_first"},
+    "asymmetric + gate-up first + routed x3": {"asymmetric": True, "expert_order": "gate_up_first",
+                                               "routed_token_weight": 2.0},
+    "gate-up first + routed x3": {"expert_order": "gate_up_first", "routed_token_weight": 2.0},
+    "asymmetric + gate-up first + routed x3 + gate-up": {"asymmetric": True, "expert_order": "gate_up_first",
+                                                          "routed_token_weight": 2.0, "routed_weight_gate_up": True},
+    "asymmetric gate-up only": {"asymmetric": True, "asymmetric_down": False},
+    "asymmetric gate-up only + gate-up first": {"asymmetric": True, "asymmetric_down": False,
+                                                "expert_order": "gate_up_first"},
 }
 
 

@@ -30,6 +30,13 @@ class GPTQSettings(BaseModel):
     scale_search: Literal["minmax", "mse"] = "minmax"  # group scales inside GPTQ (see docs/calibration.md)
     routed_token_weight: float = Field(0.0, ge=0)  # routed tokens count 1 + w times in down_proj Hessians
     routed_weight_gate_up: bool = False  # ... and in per-expert gate/up Hessians (one factorisation per expert)
+    # GPTAQ-style: fit Q on the quantized model's inputs to the full-precision model's outputs (a second,
+    # full-precision activation stream; see quantkit/calibrate/asymmetric.py)
+    asymmetric: bool = False
+    asymmetric_strength: float = Field(1.0, ge=0, le=1)  # fraction of the asymmetric correction applied
+    asymmetric_down: bool = True  # routed experts' down_proj too (per-expert fp inner activations: costly)
+    # routed experts: down_proj first (Hessian from source gate/up) or gate/up first (from the quantized ones)
+    expert_order: Literal["down_first", "gate_up_first"] = "down_first"
 
 
 class CalibrationSettings(BaseModel):

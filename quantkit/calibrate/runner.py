@@ -49,6 +49,7 @@ from torch import nn
 
 from quantkit.arch import Adapter, KVLayout, Role, family_for
 from quantkit.calibrate import layers as L
+from quantkit.calibrate.asymmetric import PairedPass, quantize_experts_ordered, shifted_target
 from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.kv import KVStats, StatCache
 from quantkit.calibrate.memory import release_free_memory
@@ -119,7 +120,11 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
     kv_layout = adapter.kv_layout if recipe.kv_cache == "fp8" else None
     roles = {Role(r) for r in recipe.quantize_roles} if opts.quantize else set()
     schedule = _Schedule.of(-(-tokens.shape[0] // opts.batch_size), world)
-    start = _first_unfinished(work_dir, adapter.num_layers)
+    asym = opts.quantize and recipe.method == "gptq" and recipe.gptq.asymmetric  # a full-precision stream too
+    if world.size > 1 and opts.quantize and (asym or recipe.gptq.expert_order != "down_first"):
+        raise QuantkitError("recipe: gptq.asymmetric and gptq.expert_order gate_up_first run in one process only; "
+                            "start the conversion without torchrun or drop those options")
+    start = _first_unfinished(work_dir, adapter.num_layers, asym)
     if start == adapter.num_layers:
         say("calibration: all layers already done (resumed)")
         return CalibrationResult.load(work_dir, adapter, recipe)
@@ -132,13 +137,20 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
     t0 = time.time()
     for layer in range(start, adapter.num_layers):
         t = time.time()
-        acts = Acts.open(work_dir / f"acts_{layer:04d}", opts.memory_budget, schedule.batches)
+        budget = opts.memory_budget // 2 if asym else opts.memory_budget  # two streams share the budget
+        acts = Acts.open(work_dir / f"acts_{layer:04d}", budget, schedule.batches)
+        fp_acts = None
+        if asym:
+            fp_acts = acts if layer == 0 else Acts.open(fp_dir(work_dir, layer), budget, schedule.batches)
         phases = _run_layer(source, cfg, rope, layer, acts, work_dir, recipe, roles, kv_layout, opts, device, world,
-                            schedule.steps)
-        del acts
+                            schedule.steps, fp_acts)
+        del acts, fp_acts
         gc.collect()  # the layer's modules hold reference cycles: free them before the next layer is built
+        release_free_memory()  # and return what they held to the system (memory.py)
         if world.is_main:  # every rank is past its reads (the layer ended with a collective)
             shutil.rmtree(work_dir / f"acts_{layer:04d}", ignore_errors=True)
+            if asym:
+                shutil.rmtree(fp_dir(work_dir, layer), ignore_errors=True)
         times = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
         say(f"calibration: layer {layer + 1}/{adapter.num_layers} done in {time.time() - t:.1f}s ({times})")
     say(f"calibration: {adapter.num_layers - start} layers in {time.time() - t0:.1f}s")
@@ -204,11 +216,17 @@ def layer_file(work_dir: Path, layer: int) -> Path:
     return work_dir / f"layer_{layer:04d}.safetensors"
 
 
-def _first_unfinished(work_dir: Path, n: int) -> int:
+def fp_dir(work_dir: Path, layer: int) -> Path:
+    """The full-precision model's inputs of `layer` (asymmetric calibration); layer 0's are the embeddings."""
+    return work_dir / ("acts_0000" if layer == 0 else f"fp_{layer:04d}")
+
+
+def _first_unfinished(work_dir: Path, n: int, asymmetric: bool = False) -> int:
     for layer in range(n):
         if not layer_file(work_dir, layer).exists():
             # its inputs must be there (written before the previous layer's file)
-            if layer > 0 and not (work_dir / f"acts_{layer:04d}" / "done").exists():
+            needed = [work_dir / f"acts_{layer:04d}"] + ([fp_dir(work_dir, layer)] if asymmetric else [])
+            if layer > 0 and not all((d / "done").exists() for d in needed):
                 raise QuantkitError(f"{work_dir}: layer {layer} inputs are missing; delete the directory to restart")
             return layer
     return n
@@ -305,8 +323,10 @@ def _embed(source: SourceCheckpoint, tokens: torch.Tensor, batch: int, prefix: s
 # -------------------------------------------------------------------------------------- one layer
 def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module, layer: int, acts: Acts, work_dir: Path,
                recipe: Recipe, roles: set[Role], kv_layout: str | None, opts: RunOptions, device: torch.device,
-               world: World = SINGLE, steps: int | None = None) -> dict[str, float]:
-    """Calibrate one layer and publish it; returns the seconds spent per phase (this rank's)."""
+               world: World = SINGLE, steps: int | None = None, fp_acts: Acts | None = None) -> dict[str, float]:
+    """Calibrate one layer and publish it; returns the seconds spent per phase (this rank's).
+
+    `fp_acts`: the full-precision stream's inputs (asymmetric calibration); its outputs are written too."""
     adapter = source.adapter
     base = f"{adapter.prefix}model.layers.{layer}."
     steps = len(acts) if steps is None else steps
@@ -314,8 +334,10 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     t = time.time()
     # the MoE inputs (of every rank's tokens) are kept when they fit in RAM; then the statistics pass needs no
     # routed expert: they are read as GPTQ needs them
-    keep_inputs = acts.total <= opts.memory_budget
-    lazy = keep_inputs and Role.ROUTED_EXPERT in roles and opts.all_experts
+    # (asymmetric calibration and gate/up-first read the experts themselves: never lazy)
+    keep_inputs = acts.total <= (opts.memory_budget // 2 if fp_acts is not None else opts.memory_budget)
+    lazy = (keep_inputs and Role.ROUTED_EXPERT in roles and opts.all_experts and fp_acts is None
+            and recipe.gptq.expert_order == "down_first")
     module = L.build_layer(source, cfg, layer, adapter.prefix, lazy_experts=lazy, world=world).to(device)
     if hasattr(source, "close"):
         source.close()  # unmap the shards just read: their pages would otherwise stay in this process's RSS
@@ -327,15 +349,26 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     packed: dict[str, PackedInt4] = {}
     coverage: list[dict[str, Any]] = []
     modules: list[dict[str, Any]] = []
+    last = layer == adapter.num_layers - 1
+    fp_writer = ActsWriter(fp_dir(work_dir, layer + 1)) if fp_acts is not None and not last else None
     if quantize_moe or linears:
         t = time.time()
         hessians = {name: HessianAccumulator(lin.in_features, device) for name, lin in linears.items()}
-        hooks = [lin.register_forward_pre_hook(_hessian_hook(hessians[name])) for name, lin in linears.items()]
         if quantize_moe:  # MoE inputs kept (not one Hessian per expert) when the activations fit in RAM
             moe.start_collecting("all" if opts.all_experts else "routed", keep_inputs=keep_inputs, outputs=not lazy)
-        _forward_all(module, rope, acts, cfg, device, None, None, moe, steps)
-        for h in hooks:
-            h.remove()
+        paired = None
+        if fp_acts is not None:  # both streams, batch by batch; the fp outputs are the next fp inputs
+            paired = PairedPass(linears, hessians, moe if quantize_moe else None, keep_inputs,
+                                recipe.gptq.asymmetric_down)
+            dsa = family_for(cfg.model_type).kv_layout == KVLayout.DSA
+            paired.run(zip(acts, fp_acts, strict=True),
+                       lambda batch: _forward_batch(module, rope, batch, cfg, device, dsa, None),
+                       _indexed(fp_writer, fp_acts.indices) if fp_writer is not None else None)
+        else:
+            hooks = [lin.register_forward_pre_hook(_hessian_hook(hessians[name])) for name, lin in linears.items()]
+            _forward_all(module, rope, acts, cfg, device, None, None, moe, steps)
+            for h in hooks:
+                h.remove()
         release_free_memory()
         for acc in hessians.values():
             acc.all_reduce(world)
@@ -345,20 +378,29 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
         t = time.time()
         dtype = source.model_dtype
         if quantize_moe:
-            p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size, recipe.gptq, dtype)
+            if paired is not None or recipe.gptq.expert_order != "down_first":
+                p, coverage = quantize_experts_ordered(moe, paired, base + "mlp.experts.", layer, recipe.group_size,
+                                                       recipe.gptq, dtype)
+            else:
+                p, coverage = quantize_experts(moe, base + "mlp.experts.", layer, recipe.group_size, recipe.gptq,
+                                               dtype)
             packed.update(p)
             moe.stop_collecting()
         owners = _linear_owners(linears, world)
         for name, lin in linears.items():
-            result = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype, world, owners[name])
+            cross = paired.linear_cross(name) if paired is not None else None
+            result = _quantize_linear(lin, hessians[name].hessian(), recipe, dtype, world, owners[name], cross)
             if result is not None:
                 packed[base + name], rec = result
                 modules.append({"layer": layer, "module": base + name, **rec})
         del hessians  # pass-1 statistics are not needed by pass 2
         release_free_memory()
         phases["gptq"] = time.time() - t
+    elif fp_writer is not None:  # nothing to quantize here: the fp stream still moves on
+        _forward_all(module, rope, fp_acts, cfg, device, fp_writer, None)
+    if fp_writer is not None:
+        fp_writer.close()
     t = time.time()
-    last = layer == adapter.num_layers - 1
     stats = KVStats(kv_layout) if kv_layout else None
     writer = None if last else ActsWriter(work_dir / f"acts_{layer + 1:04d}", world)
     if writer is not None or stats is not None:
@@ -368,10 +410,15 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     phases["pass2"] = time.time() - t
     t = time.time()
     _save_layer(work_dir, layer, packed, coverage, modules, stats, world, [base + n for n in linears])
-    del module, packed
-    release_free_memory()
+    del packed
     phases["save"] = time.time() - t
     return phases
+
+
+def _indexed(writer: ActsWriter, indices: list[int]) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+    """`writer.add` for outputs arriving in the order of `indices` (the global batch indices)."""
+    it = iter(indices)
+    return lambda out, topk: writer.add(next(it), out, topk)
 
 
 def _linear_owners(linears: dict[str, nn.Linear], world: World) -> dict[str, int]:
@@ -403,16 +450,18 @@ def _hessian_hook(acc: HessianAccumulator) -> Callable[..., None]:
 
 
 def _quantize_linear(lin: nn.Linear, h: torch.Tensor, recipe: Recipe, dtype: torch.dtype, world: World = SINGLE,
-                     owner: int = 0) -> tuple[PackedInt4, dict[str, Any]] | None:
+                     owner: int = 0, cross: torch.Tensor | None = None) -> tuple[PackedInt4, dict[str, Any]] | None:
     """GPTQ of one dense Linear on rank `owner`; every rank gets its codes and scales (a broadcast) and swaps
-    in the dequantized weight. Returns the packed result and its record on the owner, None elsewhere."""
+    in the dequantized weight. Returns the packed result and its record on the owner, None elsewhere.
+    With `cross` (asymmetric calibration, one process) GPTQ fits the target `W + W C H^-1`."""
     g, gs = recipe.gptq, recipe.group_size
     w = lin.weight.data
     mine = owner == world.rank
     if mine:
         factor = prepare(h, g.dampening_frac, g.actorder == "static")
-        q, s = quantize_rows(w, factor, gs, g.block_size, dtype, g.scale_search)
-        gptq_err, rtn_err = module_errors(w, q, s, h, gs, dtype)
+        target = w if cross is None else shifted_target(w, cross, factor, g.asymmetric_strength)
+        q, s = quantize_rows(target, factor, gs, g.block_size, dtype, g.scale_search)
+        gptq_err, rtn_err = module_errors(target, q, s, h, gs, dtype)
         rec = {
             "damping": factor.damping,
             "fallback": f"rtn: {factor.failure}" if factor.failure else None,
@@ -441,18 +490,7 @@ def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: Pretrained
     if dsa and stats is not None:  # DSA's cached latent: the kv_a_layernorm output (see StatCache)
         hook = module.self_attn.kv_a_layernorm.register_forward_hook(lambda _m, _a, out: stats.k.add(out))
     for index, batch in zip(acts.indices, acts, strict=True):
-        h = batch["hidden"].to(device)
-        b, s = h.shape[:2]
-        pos = torch.arange(s, device=device).unsqueeze(0)
-        pe = rope(h, pos)
-        kwargs: dict[str, Any] = {"position_embeddings": pe, "position_ids": pos, "past_key_values": cache}
-        if dsa:
-            kwargs["attention_mask"] = L.causal_mask(b, s).to(device)
-            kwargs["prev_topk_indices"] = batch["topk"].to(device) if "topk" in batch else None
-        out = module(h, **kwargs)
-        topk = None
-        if isinstance(out, tuple):
-            out, topk = out[0], out[1]
+        out, topk = _forward_batch(module, rope, batch, cfg, device, dsa, cache)
         if writer is not None:
             writer.add(index, out, topk)
     if moe is not None:
@@ -460,6 +498,26 @@ def _forward_all(module: nn.Module, rope: nn.Module, acts: Acts, cfg: Pretrained
             moe.idle_step()
     if hook is not None:
         hook.remove()
+
+
+@torch.no_grad()
+def _forward_batch(module: nn.Module, rope: nn.Module, batch: dict[str, torch.Tensor], cfg: PretrainedConfig,
+                   device: torch.device, dsa: bool, cache: StatCache | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer on one batch of inputs: its output (and DSA's top-k indices)."""
+    h = batch["hidden"].to(device)
+    b, s = h.shape[:2]
+    pos = torch.arange(s, device=device).unsqueeze(0)
+    pe = rope(h, pos)
+    kwargs: dict[str, Any] = {"position_embeddings": pe, "position_ids": pos, "past_key_values": cache}
+    if dsa:
+        kwargs["attention_mask"] = L.causal_mask(b, s).to(device)
+        kwargs["prev_topk_indices"] = batch["topk"].to(device) if "topk" in batch else None
+    out = module(h, **kwargs)
+    topk = None
+    if isinstance(out, tuple):
+        out, topk = out[0], out[1]
+    return out, topk
 
 
 def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], coverage: list[dict[str, Any]],
