@@ -228,3 +228,15 @@ def test_asymmetric_keeps_gptq_far_better_than_rtn_in_kl(tmp_path):
     assert asym["kl_mean"] < 0.75 * rtn["kl_mean"] and asym["top1_agreement"] >= rtn["top1_agreement"]
     cov = json.loads((tmp_path / "asym" / "calibration_coverage.json").read_text())
     assert cov["summary"]["gptq_better_than_rtn"] >= 0.9 * cov["summary"]["modules"]
+
+
+@pytest.mark.parametrize("gptq", [{"asymmetric": True}, {"expert_order": "gate_up_first"}])
+def test_options_of_one_process_are_refused_across_ranks(tiny_ds, tmp_path, gptq):
+    """Neither option has an expert-parallel path: across ranks they stop before any collective or write."""
+    from quantkit.distributed import World
+    from quantkit.errors import QuantkitError
+
+    recipe = Recipe(method="gptq", calibration={"samples": 4, "seq_len": 64}, gptq=gptq)
+    with pytest.raises(QuantkitError, match="run in one process only"):
+        run(open_source(tiny_ds), recipe, tmp_path / "w", None, RunOptions(threads=1), World(rank=0, size=2))
+    assert not (tmp_path / "w").exists()

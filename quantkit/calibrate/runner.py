@@ -115,15 +115,15 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     adapter = source.adapter
     cfg = L.hf_config(source.config)
+    asym = opts.quantize and recipe.method == "gptq" and recipe.gptq.asymmetric  # a full-precision stream too
+    if world.size > 1 and opts.quantize and (asym or recipe.gptq.expert_order != "down_first"):
+        raise QuantkitError("recipe: gptq.asymmetric and gptq.expert_order gate_up_first run in one process only; "
+                            "start the conversion without torchrun or drop those options")
     tokens = opts.tokens if opts.tokens is not None else _tokens(source, recipe)
     _check_manifest(work_dir, source, recipe, tokens, opts, say, world)
     kv_layout = adapter.kv_layout if recipe.kv_cache == "fp8" else None
     roles = {Role(r) for r in recipe.quantize_roles} if opts.quantize else set()
     schedule = _Schedule.of(-(-tokens.shape[0] // opts.batch_size), world)
-    asym = opts.quantize and recipe.method == "gptq" and recipe.gptq.asymmetric  # a full-precision stream too
-    if world.size > 1 and opts.quantize and (asym or recipe.gptq.expert_order != "down_first"):
-        raise QuantkitError("recipe: gptq.asymmetric and gptq.expert_order gate_up_first run in one process only; "
-                            "start the conversion without torchrun or drop those options")
     start = _first_unfinished(work_dir, adapter.num_layers, asym)
     if start == adapter.num_layers:
         say("calibration: all layers already done (resumed)")
