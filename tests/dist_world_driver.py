@@ -1,7 +1,8 @@
 """Driver for tests/test_distributed_world.py, run by `python -m torch.distributed.run` (one process per rank).
 
 argv: FAILURE_DIR MODE — MODE "ok" (two collectives), "fail" (rank 1 raises a QuantkitError between them) or
-"kill" (rank 1 SIGKILLs itself between them). Prints `RESULT <rank> <message>` and exits like the CLI: 0, or 2.
+"kill" (rank 1 SIGKILLs itself between them). Writes its outcome to `FAILURE_DIR/../result.<rank>` (the ranks'
+stdout interleave) and exits like the CLI: 0, or 2.
 """
 
 import os
@@ -26,7 +27,7 @@ try:
         world.barrier()
         agreed = world.agree(True)
 except QuantkitError as exc:
-    print(f"RESULT {world.rank} {exc}", flush=True)
+    (failures.parent / f"result.{world.rank}").write_text(str(exc))
     sys.exit(2)
-print(f"RESULT {world.rank} ok sum={total.item():g} agree={agreed}", flush=True)
+(failures.parent / f"result.{world.rank}").write_text(f"ok sum={total.item():g} agree={agreed}")
 world.stop()

@@ -53,11 +53,7 @@ def _run(tmp_path: Path, mode: str) -> tuple[int, dict[int, str]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), str(DRIVER), str(tmp_path / "dist"), mode]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, rank, message = line.split(" ", 2)
-            results[int(rank)] = message
+    results = {int(p.suffix[1:]): p.read_text() for p in tmp_path.glob("result.*")}
     return proc.returncode, results
 
 
