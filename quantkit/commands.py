@@ -101,7 +101,8 @@ def convert_cmd(
     seq_len: Optional[int] = typer.Option(None, help="Calibration sequence length."),  # noqa: UP045
     kv_cache: Optional[str] = typer.Option(None, help="fp8: calibrate and write FP8 KV-cache scales."),  # noqa: UP045
     workers: int = typer.Option(1, min=1, help="Worker threads (one source shard each), per rank under torchrun."),
-    device: str = typer.Option("cpu", help="Where RTN and calibration compute: cpu | cuda | cuda:N (same bytes)."),
+    device: str = typer.Option("auto", help="Where RTN and calibration compute: auto (CUDA when present) | cpu | "
+                               "cuda | cuda:N (same bytes for RTN)."),
     max_shard_size: Optional[str] = typer.Option(None, help="Largest output shard, e.g. 5GB."),  # noqa: UP045
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
     quiet: bool = typer.Option(False, help="No progress output."),

@@ -137,3 +137,13 @@ def test_quantization_config_is_compressed_tensors_serialization(group_size, kv_
     ours = build_quantization_config(group_size, ignore, kv_cache=kv_cache)
     assert ours == reference
     assert QuantizationConfig.model_validate(ours).model_dump(mode="json") == reference
+
+
+def test_device_auto_is_cuda_only_when_a_gpu_is_present(monkeypatch):
+    from quantkit.convert import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert check_device("auto") == "cuda"

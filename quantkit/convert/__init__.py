@@ -99,13 +99,13 @@ def convert(
     workers: int = 1,
     force: bool = False,
     reporter: Reporter | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     world: World | None = None,
 ) -> ConvertResult:
     """Convert SRC into an INT4 compressed-tensors checkpoint at OUT (see module docstring).
 
-    `device` is where RTN and calibration compute ("cpu", "cuda", "cuda:1"); every device writes the same
-    bytes for RTN (the CPU uses fused kernels, other devices torch ops, both bit-identical).
+    `device` is where RTN and calibration compute ("auto": CUDA when present; "cpu", "cuda", "cuda:1"); every
+    device writes the same bytes for RTN (the CPU uses fused kernels, other devices torch ops, both bit-identical).
     `world` is the set of ranks this process is one of: None reads torchrun's environment
     (`World.from_env`; one process outside torchrun). Every rank calls `convert` with the same arguments;
     rank 0 alone reports progress, holds the lock and publishes (docs/distributed.md).
@@ -250,7 +250,11 @@ def _user_errors(partial: Path, needed: NeededBytes) -> Iterator[None]:
 
 
 def check_device(device: str) -> str:
-    """A usable torch device string, or a one-line error (`cuda` asked for on a machine without one)."""
+    """A usable torch device string, or a one-line error (`cuda` asked for on a machine without one).
+
+    `auto` is CUDA when this machine has a usable GPU, else the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
