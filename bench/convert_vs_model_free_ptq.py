@@ -94,12 +94,12 @@ def plain_read(src: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_measured(code: str, args: list[str], threads: int) -> dict[str, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+def run_sampled(cmd: list[str], env: dict[str, str], what: str) -> dict[str, float]:
+    """Run `cmd` to the end, sampling its process tree's RSS every 20 ms: wall and CPU seconds (the whole
+    tree), peak tree RSS. A failed run stops the benchmark with its stderr."""
     cpu0 = _children_cpu()
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *args, str(threads)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
 
     def sample() -> None:
@@ -112,8 +112,13 @@ def run_measured(code: str, args: list[str], threads: int) -> dict[str, float]:
     _, err = proc.communicate()
     sampler.join()
     if proc.returncode != 0:
-        raise SystemExit(f"benchmark run failed:\n{err[-3000:]}")
+        raise SystemExit(f"{what} failed:\n{err[-3000:]}")
     return {"seconds": time.perf_counter() - start, "cpu_seconds": _children_cpu() - cpu0, "peak_rss_bytes": peak[0]}
+
+
+def run_measured(code: str, args: list[str], threads: int) -> dict[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    return run_sampled([sys.executable, "-c", code, *args, str(threads)], env, "benchmark run")
 
 
 def compare_outputs(a: Path, b: Path) -> int:

@@ -16,21 +16,17 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from convert_vs_model_free_ptq import BENCH_CONFIG, tree_rss_bytes  # noqa: E402
+from convert_vs_model_free_ptq import BENCH_CONFIG, run_sampled  # noqa: E402
 
 RANK = r"""
 import json, os, resource, sys, time
@@ -55,11 +51,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run(ranks: int, src: Path, out: Path, records: Path) -> dict[str, object]:
     """One conversion in fresh processes; wall, CPU of the whole tree, tree peak RSS, each rank's record."""
     shutil.rmtree(records, ignore_errors=True)
@@ -70,25 +61,10 @@ def run(ranks: int, src: Path, out: Path, records: Path) -> dict[str, object]:
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
                  "127.0.0.1", "--master-port", str(_free_port())])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cpu0, start = _children_cpu(), time.perf_counter()
-    proc = subprocess.Popen([*launcher, str(script), str(src), str(out), str(records)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = [0]
-
-    def sample() -> None:
-        while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    _, err = proc.communicate()
-    sampler.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{ranks}-rank run failed:\n{err[-3000:]}")
+    m = run_sampled([*launcher, str(script), str(src), str(out), str(records)], env, f"{ranks}-rank run")
     per_rank = sorted((json.loads(p.read_text()) for p in records.glob("rank*.json")), key=lambda r: r["rank"])
-    return {"ranks": ranks, "wall_s": time.perf_counter() - start, "cpu_s": _children_cpu() - cpu0,
-            "tree_peak_rss_bytes": peak[0], "per_rank": per_rank}
+    return {"ranks": ranks, "wall_s": m["seconds"], "cpu_s": m["cpu_seconds"],
+            "tree_peak_rss_bytes": m["peak_rss_bytes"], "per_rank": per_rank}
 
 
 def digest_tree(root: Path) -> dict[str, str]:
