@@ -211,10 +211,11 @@ def test_a_rank_with_another_recipe_is_refused(source, tmp_path):
     assert not out.exists() and not (tmp_path / "out.partial").exists()
 
 
-def test_gptq_under_torchrun_end_to_end(tmp_path):
+@pytest.mark.parametrize("runs", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_gptq_under_torchrun_end_to_end(tmp_path, runs):
     """`torchrun -m quantkit convert --method gptq`: calibration across 2 ranks (expert-parallel), then the
     write phase across them; the checkpoint validates, its experts are GPTQ's (better than RTN on every
-    module), and a second 2-rank run writes the same bytes."""
+    module), and (slow) a second 2-rank run writes the same bytes."""
     from quantkit.calibrate.tiny import build_tiny
 
     src = build_tiny("deepseek_v3")
@@ -222,7 +223,7 @@ def test_gptq_under_torchrun_end_to_end(tmp_path):
     args = ["--method", "gptq", "--calib", str(calib), "--samples", "8", "--seq-len", "64", "--kv-cache", "fp8",
             "--quiet"]
     sums = []
-    for name in ("a", "b"):
+    for name in ("a", "b")[:runs]:
         out = tmp_path / name
         launch = torchrun(2, ["convert", str(src), str(out), *args], tmp_path)
         assert launch.returncode == 0, launch.agent[-3000:]
@@ -234,7 +235,7 @@ def test_gptq_under_torchrun_end_to_end(tmp_path):
         # every expert of every MoE layer recorded once, whichever rank solved it
         assert sorted((r["layer"], r["expert"]) for r in report["experts"]) == [
             (layer, e) for layer in moe_layers for e in range(config["n_routed_experts"])]
-    assert sums[0] == sums[1]  # GPTQ across ranks is deterministic for a given world size
+    assert len(set(sums)) == 1  # GPTQ across ranks is deterministic for a given world size
     check = subprocess.run([sys.executable, "-m", "quantkit", "validate", str(tmp_path / "a"), "--engine", "vllm"],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     assert check.returncode == 0, check.stdout + check.stderr
