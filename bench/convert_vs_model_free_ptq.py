@@ -2,10 +2,18 @@
 
 Same source, same scheme (W4A16 symmetric group 32 on the routed experts), same FP8 dequantizer role,
 same number of worker processes and threads; each tool runs in a fresh process while a sampler sums the
-resident memory of its whole process tree every 20 ms. Prints a Markdown table of source GB/s and
-peak RSS, both absolute and as quantkit/peer ratios, and checks the two outputs are bit-identical.
+resident memory of its whole process tree every 20 ms. Prints a Markdown table of source GB/s, CPU
+seconds (user + system of the tool's whole process tree) and peak RSS, both absolute and as
+quantkit/peer ratios, and checks the two outputs are bit-identical.
 
-    python bench/convert_vs_model_free_ptq.py --size bench --shards 8 --workers 2 --out bench/results
+The source is generated in a child process: the generator leaves a ~4 GB heap behind, and with it
+held by this process the timed tool's system time rose by up to ~4 CPU-s (docs/benchmarks.md, RTN run 6).
+quantkit's fused kernels are numba functions cached on disk (`quantkit/quant/__pycache__`): the first
+run after a fresh checkout, or after `quantkit/quant/fused.py` changed, compiles them (~3-5 CPU-s).
+Before the timed run, quantkit converts a tiny generated checkpoint once, which fills that cache; its CPU
+seconds are printed apart (`--no-warm-up` times the first run as it comes).
+
+    python bench/convert_vs_model_free_ptq.py --workers 2 --shards 4
 """
 
 from __future__ import annotations
@@ -46,6 +54,13 @@ conv = FP8BlockDequantizer(targets=experts, ignore=[m for m in fp8 if m not in e
 model_free_ptq(src, out, scheme=scheme, ignore=[], max_workers=workers, converter=conv)
 """
 
+GEN = r"""
+import json, sys
+from quantkit.synth import make_checkpoint
+make_checkpoint(sys.argv[1], "glm_moe_dsa", "fp8", size="tiny", shards=int(sys.argv[2]),
+                config_overrides=json.loads(sys.argv[3]))
+"""
+
 OURS = r"""
 import sys, torch
 torch.set_num_threads(int(sys.argv[4]))
@@ -78,9 +93,10 @@ def tree_rss_bytes(root: int) -> int:
     return total
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # every reaped descendant: the tool and its workers
-    return usage.ru_utime + usage.ru_stime
+def _children_cpu() -> tuple[float, float]:
+    """User and system CPU seconds of every reaped descendant so far: the tool and its workers."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime, usage.ru_stime
 
 
 def plain_read(src: Path) -> float:
@@ -96,8 +112,8 @@ def plain_read(src: Path) -> float:
 
 def run_sampled(cmd: list[str], env: dict[str, str], what: str) -> dict[str, float]:
     """Run `cmd` to the end, sampling its process tree's RSS every 20 ms: wall and CPU seconds (the whole
-    tree), peak tree RSS. A failed run stops the benchmark with its stderr."""
-    cpu0 = _children_cpu()
+    tree: user + system, and each), peak tree RSS. A failed run stops the benchmark with its stderr."""
+    user0, sys0 = _children_cpu()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
@@ -113,12 +129,31 @@ def run_sampled(cmd: list[str], env: dict[str, str], what: str) -> dict[str, flo
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed:\n{err[-3000:]}")
-    return {"seconds": time.perf_counter() - start, "cpu_seconds": _children_cpu() - cpu0, "peak_rss_bytes": peak[0]}
+    seconds = time.perf_counter() - start
+    user, system = _children_cpu()
+    return {"seconds": seconds, "cpu_seconds": user - user0 + system - sys0, "user_seconds": user - user0,
+            "sys_seconds": system - sys0, "peak_rss_bytes": peak[0]}
 
 
 def run_measured(code: str, args: list[str], threads: int) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     return run_sampled([sys.executable, "-c", code, *args, str(threads)], env, "benchmark run")
+
+
+def generate_source(dest: Path, shards: int, config_overrides: dict[str, int]) -> Path:
+    """Write a generated GLM-5-shaped FP8 checkpoint at `dest` from a child process, so that the generator's
+    heap does not stay resident in the benchmark's process while the tools are timed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", GEN, str(dest), str(shards), json.dumps(config_overrides)], env=env,
+                   check=True)
+    return dest
+
+
+def warm_up_kernels(work: Path, threads: int) -> float:
+    """Convert a tiny generated checkpoint with quantkit once (the same kernels as the timed run, so their
+    numba cache is filled); its CPU seconds, the interpreter start included."""
+    src = generate_source(work / "warm_src", 1, {})
+    return run_measured(OURS, [str(src), str(work / "warm_out"), "1"], threads)["cpu_seconds"]
 
 
 def compare_outputs(a: Path, b: Path) -> int:
@@ -151,30 +186,36 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--ours-only", action="store_true", help="skip the peer (e.g. to show RSS vs shard size)")
     parser.add_argument("--src", type=Path, default=None, help="reuse a source generated by an earlier run")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="time quantkit's first run as it comes (with a compile when the kernel cache is empty)")
     args = parser.parse_args()
 
     import shutil
 
     from quantkit.checkpoint.safetensors_header import read_header
-    from quantkit.synth import make_checkpoint
 
     work = args.out / "convert"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     t = time.perf_counter()
-    src = args.src or make_checkpoint(work / "src", "glm_moe_dsa", "fp8", size="tiny", shards=args.shards,
-                                      config_overrides={**BENCH_CONFIG, "num_hidden_layers": args.layers})
+    src = args.src or generate_source(work / "src", args.shards, {**BENCH_CONFIG, "num_hidden_layers": args.layers})
     shards = [read_header(p).file_size for p in src.glob("*.safetensors")]
     source_bytes = sum(shards)
     print(f"generated {source_bytes / 1e9:.2f} GB in {len(shards)} shards (largest {max(shards) / 1e9:.2f} GB) "
           f"in {time.perf_counter() - t:.0f}s")
 
+    warm_up_cpu = None if args.no_warm_up else warm_up_kernels(work, args.threads)
+    if warm_up_cpu is not None:
+        print(f"quantkit kernel warm-up (tiny checkpoint, not timed below): {warm_up_cpu:.2f} CPU-s")
     read_s = min(plain_read(src) for _ in range(3))
     load_before = os.getloadavg()[0]
     ours = run_measured(OURS, [str(src), str(work / "ours"), str(args.workers)], args.threads)
     if args.ours_only:
-        print(f"quantkit convert: {ours['seconds']:.1f}s, {source_bytes / ours['seconds'] / 1e9:.4f} GB/s, peak RSS "
-              f"{ours['peak_rss_bytes'] / 1e9:.3f} GB (largest shard {max(shards) / 1e9:.2f} GB)")
+        print(f"quantkit convert: {ours['seconds']:.2f}s, {ours['cpu_seconds']:.2f} CPU-s (user "
+              f"{ours['user_seconds']:.2f} + sys {ours['sys_seconds']:.2f}), "
+              f"{source_bytes / ours['seconds'] / 1e9:.4f} GB/s, peak RSS {ours['peak_rss_bytes'] / 1e9:.3f} GB "
+              f"(largest shard {max(shards) / 1e9:.2f} GB); "
+              f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
         shutil.rmtree(work, ignore_errors=True)
         return
     peer = run_measured(PEER, [str(src), str(work / "peer"), str(args.workers)], args.threads)
@@ -184,6 +225,7 @@ def main() -> None:
     for name, r in (("llm-compressor model_free_ptq", peer), ("quantkit convert", ours)):
         per_worker = r["peak_rss_bytes"] / args.workers / max(shards)
         rows[name] = {"seconds": round(r["seconds"], 2), "cpu_seconds": round(r["cpu_seconds"], 2),
+                      "user_seconds": round(r["user_seconds"], 2), "sys_seconds": round(r["sys_seconds"], 2),
                       "source_GB_per_s": round(source_bytes / r["seconds"] / 1e9, 4),
                       "source_GB_per_cpu_s": round(source_bytes / r["cpu_seconds"] / 1e9, 4),
                       "peak_rss_GB": round(r["peak_rss_bytes"] / 1e9, 3),
@@ -192,6 +234,7 @@ def main() -> None:
               "workers": args.workers, "threads_per_worker": args.threads, "tensors_that_differ": differ,
               "plain_read_s": round(read_s, 3), "plain_read_GB_per_s": round(source_bytes / read_s / 1e9, 3),
               "load_average_before_after": [round(load_before, 2), round(load_after, 2)],
+              "quantkit_warm_up_cpu_seconds": None if warm_up_cpu is None else round(warm_up_cpu, 2),
               "throughput_ratio": round(peer["seconds"] / ours["seconds"], 2),
               "cpu_ratio": round(peer["cpu_seconds"] / ours["cpu_seconds"], 2),
               "ours_over_plain_read": round(read_s / ours["seconds"], 4),
