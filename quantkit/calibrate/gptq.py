@@ -200,9 +200,10 @@ def refit_scales(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fact
         n = q.shape[0]
         b = (q * (target[r0 : r0 + n] @ h)).view(n, groups, group_size).sum(-1)
         a = torch.empty(n, groups, groups, dtype=torch.float32, device=q.device)
-        for g in range(groups):
-            cols_g = slice(g * group_size, (g + 1) * group_size)
-            a[:, g] = (q * (q[:, cols_g] @ h[cols_g])).view(n, groups, group_size).sum(-1)
+        for g in range(groups):  # A is symmetric: row g from column g on, mirrored
+            lo, hi = g * group_size, (g + 1) * group_size
+            a[:, g, g:] = (q[:, lo:] * (q[:, lo:hi] @ h[lo:hi, lo:])).view(n, groups - g, group_size).sum(-1)
+            a[:, g + 1:, g] = a[:, g, g + 1:]
         used = q.view(n, groups, group_size).abs().sum(-1) > 0  # groups with a nonzero code
         old = scale[r0 : r0 + n].to(torch.float32)
         # unused groups: fixed at their old scale (a unit diagonal keeps A definite; b is 0 there)
