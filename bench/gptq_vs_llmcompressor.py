@@ -161,11 +161,11 @@ def _quality_one(arch: str, samples: int, seq_len: int, threads: int, variants: 
     return result
 
 
-def cost(threads: int, variants: list[str], reps: int) -> dict:
+def cost(threads: int, variants: list[str], reps: int, speed_tokens: tuple[int, int] = (8, 256)) -> dict:
     """CPU seconds of calibration alone (`calibrate.runner.run` on pre-tokenized windows, the checkpoint not
     written), the default and each variant alternated in one process after a warm-up run; median of `reps`.
     On the tiny deepseek_v3 of the quality benchmark (32 x 128 tokens) and on a 2-layer random deepseek_v3 of
-    the speed benchmark (64 experts of 512 x 1024, 8 x 256 tokens)."""
+    the speed benchmark (64 experts of 512 x 1024, `speed_tokens` samples x length: 8 x 256 by default)."""
     import statistics
 
     import torch
@@ -180,7 +180,8 @@ def cost(threads: int, variants: list[str], reps: int) -> dict:
     torch.set_num_threads(threads)
     root = Path(tempfile.mkdtemp(prefix="qk-cost-"))
     models = {"tiny deepseek_v3 (32 x 128 tokens)": (build_tiny("deepseek_v3"), 32, 128, reps),
-              "random deepseek_v3, 2 layers (8 x 256 tokens)": (root / "speed", 8, 256, max(1, reps // 3))}
+              f"random deepseek_v3, 2 layers ({speed_tokens[0]} x {speed_tokens[1]} tokens)":
+                  (root / "speed", *speed_tokens, max(1, reps // 3))}
     make_checkpoint(root / "speed", 2)
     out = {}
     for label, (src, samples, seq_len, n) in models.items():
@@ -354,12 +355,14 @@ def main() -> None:
     ap.add_argument("--arch", action="append", help="quality: only these tiny models (deepseek_v3, glm_moe_dsa)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="quality: calibration seeds (both tools)")
     ap.add_argument("--reps", type=int, default=5, help="cost: measured repetitions (after one warm-up)")
+    ap.add_argument("--speed-tokens", type=int, nargs=2, default=[8, 256], metavar=("SAMPLES", "SEQ_LEN"),
+                    help="cost: calibration windows of the random model")
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if a.what == "quality":
         res = quality(a.samples or 32, a.seq_len or 128, a.threads, a.variant, a.arch, a.seeds)
     elif a.what == "cost":
-        res = cost(a.threads, a.variant or [], a.reps)
+        res = cost(a.threads, a.variant or [], a.reps, tuple(a.speed_tokens))
     else:
         res = speed(a.layers, a.samples or 8, a.seq_len or 256, a.threads, a.keep, a.only)
     name = f"calibration_{a.what}" + ("_" + "_".join(x.replace(" ", "-") for x in a.only) if a.only else "")

@@ -187,11 +187,14 @@ def refit_scales(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fact
     `s^T A s - 2 b^T s + const` with `A = M^T H_d M` and `b = M^T H_d w`: one Cholesky solve per row. A row
     keeps its old scales unless the new ones — rounded to the scale dtype, positive wherever its codes are
     not all zero — give a lower objective; groups whose codes are all zero keep theirs (any scale is exact).
-    Cost: about one `[rows, in] x [in, in]` product, the order of GPTQ's own block updates.
+    Cost: half of `A` is built, `groups / 2` products of `[rows, group] x [group, in]` and as many elementwise
+    passes over `[rows, in]`: on one core 0.33 s for 4096 x 1024 (GPTQ itself: 0.8 s), 1.5 s for 4096 x 2048
+    (GPTQ: 1.5 s); it grows with the group count, GPTQ's inner loop with its block size.
     """
     assert factor.damped is not None
     h = factor.damped.to(codes.device, torch.float32)
-    target = w.to(torch.float32).masked_fill(factor.dead.to(w.device), 0)  # what GPTQ fitted (dead columns 0)
+    # what GPTQ fitted: the weights rounded to the scale dtype, dead columns zeroed
+    target = w.to(scale.dtype).to(torch.float32).masked_fill(factor.dead.to(w.device), 0)
     out = scale.clone()
     rows, cols = codes.shape
     groups = cols // group_size
