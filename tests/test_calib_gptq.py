@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.calibrate.gptq import HessianAccumulator, gptq, prepare, quantize_rows, relative_error
+from quantkit.calibrate.gptq import HessianAccumulator, gptq, prepare, quantize_rows, refit_scales, relative_error
 from quantkit.quant.int4 import dequantize_group, group_scales, pack_int4, quantize_rtn, unpack_int4
 
 GS = 32
@@ -78,7 +78,7 @@ def test_scale_refit_solves_each_rows_least_squares_and_never_hurts():
     x = _inputs(seed=7)
     h = _hessian(x)
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(8)) * 0.02
-    w[3, :GS] = 0  # a group whose codes are all zero: its scale must stay as it was
+    w[3] = 0  # a row whose codes are all zero (GPTQ's updates stay inside a row): its scales must stay
     factor = prepare(h)
     q, s0 = quantize_rows(w, factor, GS, refit=False)
     _, s1 = quantize_rows(w, factor, GS)
@@ -86,7 +86,13 @@ def test_scale_refit_solves_each_rows_least_squares_and_never_hurts():
     dq0, dq1 = dequantize_group(q, s0, GS), dequantize_group(q, s1, GS)
     before, after = _objective(w, dq0, hd), _objective(w, dq1, hd)
     assert bool((after <= before).all()) and float(after.sum()) < 0.99 * float(before.sum())
-    assert s1[3, 0] == s0[3, 0]
+    assert not bool(q[3].any()) and torch.equal(s1[3], s0[3])
+    q5 = q.clone()
+    q5[5, :GS] = 0  # one all-zero group in a row that is refitted: that group's scale stays, the others move
+    s5 = refit_scales(w, q5, s0, factor, GS)
+    assert s5[5, 0] == s0[5, 0] and not torch.equal(s5[5, 1:], s0[5, 1:])
+    assert _objective(w[5:6], dequantize_group(q5[5:6], s5[5:6], GS), hd) <= _objective(
+        w[5:6], dequantize_group(q5[5:6], s0[5:6], GS), hd)
     chol = torch.linalg.cholesky(hd)  # H_d = L L^T: the objective is ||L^T (w - M s)||^2
     for r in (0, 7, 20):
         m = torch.zeros(128, 128 // GS, dtype=torch.float64)
