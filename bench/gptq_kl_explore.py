@@ -1,13 +1,13 @@
 """Fast in-process KL exploration of GPTQ settings on the tiny trained models (no checkpoint written).
 
     .venv/bin/python bench/gptq_kl_explore.py variants '{}' '{"refit_scales": false}' --seeds 0 1 2
-    .venv/bin/python bench/gptq_kl_explore.py layers --seed 0
+    .venv/bin/python bench/gptq_kl_explore.py layers '{"refit_scales": false}' --seed 0
 
 `variants`: for each calibration seed, calibrate with each recipe `gptq:` block (JSON), put the dequantized
 routed experts into a copy of the source model and measure the mean per-token KL(source || model) on the
 held-out windows of the quality benchmark; prints each variant's KL over the first variant's at the same seed
 and the geometric mean over seeds. `layers`: the KL when only one layer's (or one expert's) routed experts are
-quantized with the default settings — where the error of the whole model comes from.
+quantized (with the first settings given) — where the error of the whole model comes from.
 
 This measures quantkit alone, relative to itself; the comparison with llm-compressor is
 `gptq_vs_llmcompressor.py quality` (same models, windows and evaluation).
@@ -95,8 +95,8 @@ def variants(bench: Bench, specs: list[str], seeds: list[int]) -> None:
         print(f"geomean {geo:.3f}  ({' '.join(f'{x:.3f}' for x in r)})  {spec}")
 
 
-def layers(bench: Bench, seed: int) -> None:
-    packed, work = bench.calibrate({}, seed)
+def layers(bench: Bench, spec: str, seed: int) -> None:
+    packed, work = bench.calibrate(json.loads(spec), seed)
     n = bench.source.adapter.num_layers
     print(f"all layers: KL {bench.kl(packed):.3e}")
     for layer in range(n):
@@ -119,7 +119,7 @@ def main() -> None:
     if a.what == "variants":
         variants(bench, a.specs, a.seeds)
     else:
-        layers(bench, a.seed)
+        layers(bench, a.specs[0], a.seed)
 
 
 if __name__ == "__main__":
