@@ -2,6 +2,8 @@
 time + peak RSS on a generated MoE checkpoint big enough to matter (>= 1 GB).
 
     .venv/bin/python bench/gptq_vs_llmcompressor.py quality            # ~3 min on 2 cores
+    .venv/bin/python bench/gptq_vs_llmcompressor.py quality --seeds 0 1 2 3 4 --arch deepseek_v3
+    .venv/bin/python bench/gptq_vs_llmcompressor.py cost --variant "no refit"   # calibration CPU seconds
     .venv/bin/python bench/gptq_vs_llmcompressor.py speed              # ~15 min on 2 cores
     .venv/bin/python bench/gptq_vs_llmcompressor.py speed --layers 2   # quick smoke
 
@@ -63,6 +65,7 @@ def _peak(log: str, key: str = "PEAK_RSS_KIB") -> float:
 # ------------------------------------------------------------------------------------------ quality
 # GPTQ variants evaluated next to the default (recipe `gptq:` overrides); see docs/benchmarks.md
 VARIANTS: dict[str, dict] = {
+    "no refit": {"refit_scales": False},  # the default before scale refit
     "mse": {"scale_search": "mse"},
     "damp 0.001": {"dampening_frac": 0.001},
     "damp 0.1": {"dampening_frac": 0.1},
@@ -91,7 +94,29 @@ VARIANTS: dict[str, dict] = {
 
 
 def quality(samples: int, seq_len: int, threads: int, variants: list[str] | None = None,
-            archs: list[str] | None = None) -> dict:
+            archs: list[str] | None = None, seeds: list[int] | None = None) -> dict:
+    """Both tools on the same calibration windows, for each calibration seed (the draw of the samples from the
+    corpus). One seed is one comparison; on these tiny models the draw alone moves either tool's KL by
+    +-15%, so several seeds and their geometric mean are the figure to trust."""
+    from quantkit.calibrate.tiny import ARCHS
+
+    results = {}
+    for arch in archs or ARCHS:
+        per_seed = {seed: _quality_one(arch, samples, seq_len, threads, variants, seed) for seed in seeds or [0]}
+        names = list(next(iter(per_seed.values()))["kl_ratio_to_oneshot"])
+        geo = {n: math.exp(sum(math.log(r["kl_ratio_to_oneshot"][n]) for r in per_seed.values()) / len(per_seed))
+               for n in names}
+        results[arch] = {"seeds": per_seed, "geomean_kl_ratio_to_oneshot": geo}
+        if len(per_seed) > 1:
+            print(f"\n{arch}: KL / oneshot per seed {list(per_seed)} and geometric mean")
+            for n in names:
+                ratios = " ".join(f"{r['kl_ratio_to_oneshot'][n]:.3f}" for r in per_seed.values())
+                print(f"  {n:<40} {ratios}   geomean {geo[n]:.3f}")
+    return {"samples": samples, "seq_len": seq_len, "threads": threads, "archs": results}
+
+
+def _quality_one(arch: str, samples: int, seq_len: int, threads: int, variants: list[str] | None,
+                 seed: int) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -99,43 +124,89 @@ def quality(samples: int, seq_len: int, threads: int, variants: list[str] | None
     from quantkit.calibrate.data import calibration_tokens
     from quantkit.calibrate.eval import evaluate_in_subprocess
     from quantkit.calibrate.reference import ignore_list, oneshot_gptq
-    from quantkit.calibrate.tiny import ARCHS, CORPUS, HELDOUT, build_tiny
+    from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
     from quantkit.convert import convert
     from quantkit.recipe import Recipe
 
     torch.set_num_threads(threads)
-    results = {}
-    for arch in archs or ARCHS:
-        src = build_tiny(arch)
-        root = Path(tempfile.mkdtemp(prefix=f"qk-quality-{arch}-"))
-        calib = {"dataset": str(CORPUS), "samples": samples, "seq_len": seq_len, "seed": 0}
+    src = build_tiny(arch)
+    root = Path(tempfile.mkdtemp(prefix=f"qk-quality-{arch}-"))
+    calib = {"dataset": str(CORPUS), "samples": samples, "seq_len": seq_len, "seed": seed}
+    t = time.perf_counter()
+    convert(src, root / "gptq", Recipe(method="gptq", calibration=calib))
+    t_gptq = time.perf_counter() - t
+    convert(src, root / "rtn", Recipe(method="rtn"))
+    seconds = {}
+    for name in variants or []:
         t = time.perf_counter()
-        convert(src, root / "gptq", Recipe(method="gptq", calibration=calib))
-        t_gptq = time.perf_counter() - t
-        convert(src, root / "rtn", Recipe(method="rtn"))
-        seconds = {}
-        for name in variants or []:
-            t = time.perf_counter()
-            convert(src, root / name, Recipe(method="gptq", calibration=calib, gptq=VARIANTS[name]))
-            seconds[name] = time.perf_counter() - t
+        convert(src, root / name, Recipe(method="gptq", calibration=calib, gptq=VARIANTS[name]))
+        seconds[name] = time.perf_counter() - t
+    tokens = calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(src), samples, seq_len, seed)
+    config = json.loads((src / "config.json").read_text())
+    t = time.perf_counter()
+    oneshot_gptq(src, root / "oneshot", tokens, ignore_list(config, {Role.ROUTED_EXPERT}))
+    t_oneshot = time.perf_counter() - t
+    names = ["rtn", "gptq", "oneshot", *(variants or [])]
+    ev = evaluate_in_subprocess([root / n for n in names], HELDOUT, src, 128, 64, threads)
+    rows = {"source": ev["reference"]}
+    for name in names:
+        rows[name] = ev["models"][str(root / name)]
+    result = {"seed": seed, "eval_tokens": ev["tokens"], "rows": rows,
+              "seconds": {"gptq": t_gptq, "oneshot": t_oneshot, **seconds},
+              "kl_ratio_to_oneshot": {n: rows[n]["kl_mean"] / rows["oneshot"]["kl_mean"]
+                                      for n in names if n != "oneshot"},
+              "wall_ratio_to_oneshot": round(t_gptq / t_oneshot, 3)}
+    shutil.rmtree(root, ignore_errors=True)
+    _print_quality(f"{arch} seed {seed}", result)
+    return result
+
+
+def cost(threads: int, variants: list[str], reps: int, speed_tokens: tuple[int, int] = (8, 256)) -> dict:
+    """CPU seconds of calibration alone (`calibrate.runner.run` on pre-tokenized windows, the checkpoint not
+    written), the default and each variant alternated in one process after a warm-up run; median of `reps`.
+    On the tiny deepseek_v3 of the quality benchmark (32 x 128 tokens) and on a 2-layer random deepseek_v3 of
+    the speed benchmark (64 experts of 512 x 1024, `speed_tokens` samples x length: 8 x 256 by default)."""
+    import statistics
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from quantkit.calibrate.data import calibration_tokens
+    from quantkit.calibrate.runner import RunOptions, run
+    from quantkit.calibrate.tiny import CORPUS, build_tiny
+    from quantkit.checkpoint.source import open_source
+    from quantkit.recipe import Recipe
+
+    torch.set_num_threads(threads)
+    root = Path(tempfile.mkdtemp(prefix="qk-cost-"))
+    models = {"tiny deepseek_v3 (32 x 128 tokens)": (build_tiny("deepseek_v3"), 32, 128, reps),
+              f"random deepseek_v3, 2 layers ({speed_tokens[0]} x {speed_tokens[1]} tokens)":
+                  (root / "speed", *speed_tokens, max(1, reps // 3))}
+    make_checkpoint(root / "speed", 2)
+    out = {}
+    for label, (src, samples, seq_len, n) in models.items():
+        source = open_source(src)
         tokens = calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(src), samples, seq_len, 0)
-        config = json.loads((src / "config.json").read_text())
-        t = time.perf_counter()
-        oneshot_gptq(src, root / "oneshot", tokens, ignore_list(config, {Role.ROUTED_EXPERT}))
-        t_oneshot = time.perf_counter() - t
-        names = ["rtn", "gptq", "oneshot", *(variants or [])]
-        ev = evaluate_in_subprocess([root / n for n in names], HELDOUT, src, 128, 64, threads)
-        rows = {"source": ev["reference"]}
-        for name in names:
-            rows[name] = ev["models"][str(root / name)]
-        results[arch] = {"eval_tokens": ev["tokens"], "rows": rows,
-                         "seconds": {"gptq": t_gptq, "oneshot": t_oneshot, **seconds},
-                         "kl_ratio_to_oneshot": {n: rows[n]["kl_mean"] / rows["oneshot"]["kl_mean"]
-                                                 for n in names if n != "oneshot"},
-                         "wall_ratio_to_oneshot": round(t_gptq / t_oneshot, 3)}
-        shutil.rmtree(root, ignore_errors=True)
-        _print_quality(arch, results[arch])
-    return {"samples": samples, "seq_len": seq_len, "threads": threads, "archs": results}
+        calib = {"samples": samples, "seq_len": seq_len, "seed": 0}
+        names = ["default", *variants]
+        recipes = {nm: Recipe(method="gptq", calibration=calib, gptq=VARIANTS.get(nm, {})) for nm in names}
+        cpu: dict[str, list[float]] = {nm: [] for nm in names}
+        for rep in range(n + 1):  # rep 0 warms up (imports, first-call allocations)
+            for nm in names:
+                work = root / "work"
+                shutil.rmtree(work, ignore_errors=True)
+                t = time.process_time()
+                run(source, recipes[nm], work, None, RunOptions(tokens=tokens, threads=threads, device="cpu"))
+                if rep:
+                    cpu[nm].append(time.process_time() - t)
+        med = {nm: statistics.median(v) for nm, v in cpu.items()}
+        out[label] = {"cpu_s": cpu, "median_cpu_s": med,
+                      "ratio_to_default": {nm: med[nm] / med["default"] for nm in names}}
+        print(f"\n{label}: calibration CPU s, median of {n}")
+        for nm in names:
+            print(f"  {nm:<40} {med[nm]:8.2f}   x{med[nm] / med['default']:.3f}")
+    shutil.rmtree(root, ignore_errors=True)
+    return {"threads": threads, "reps": reps, "models": out}
 
 
 def _print_quality(arch: str, r: dict) -> None:
@@ -272,7 +343,7 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["quality", "speed"])
+    ap.add_argument("what", choices=["quality", "speed", "cost"])
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--layers", type=int, default=6)
@@ -282,10 +353,16 @@ def main() -> None:
     ap.add_argument("--variant", action="append", choices=sorted(VARIANTS),
                     help="quality: also evaluate this GPTQ variant (repeatable)")
     ap.add_argument("--arch", action="append", help="quality: only these tiny models (deepseek_v3, glm_moe_dsa)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="quality: calibration seeds (both tools)")
+    ap.add_argument("--reps", type=int, default=5, help="cost: measured repetitions (after one warm-up)")
+    ap.add_argument("--speed-tokens", type=int, nargs=2, default=[8, 256], metavar=("SAMPLES", "SEQ_LEN"),
+                    help="cost: calibration windows of the random model")
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if a.what == "quality":
-        res = quality(a.samples or 32, a.seq_len or 128, a.threads, a.variant, a.arch)
+        res = quality(a.samples or 32, a.seq_len or 128, a.threads, a.variant, a.arch, a.seeds)
+    elif a.what == "cost":
+        res = cost(a.threads, a.variant or [], a.reps, tuple(a.speed_tokens))
     else:
         res = speed(a.layers, a.samples or 8, a.seq_len or 256, a.threads, a.keep, a.only)
     name = f"calibration_{a.what}" + ("_" + "_".join(x.replace(" ", "-") for x in a.only) if a.only else "")

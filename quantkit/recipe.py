@@ -28,6 +28,7 @@ class GPTQSettings(BaseModel):
     block_size: int = Field(128, gt=0)
     actorder: Literal["static"] | None = "static"
     scale_search: Literal["minmax", "mse"] = "minmax"  # group scales inside GPTQ (see docs/calibration.md)
+    refit_scales: bool = True  # after GPTQ: each row's scales re-solved for its codes (least squares in H)
     routed_token_weight: float = Field(0.0, ge=0)  # routed tokens count 1 + w times in down_proj Hessians
     routed_weight_gate_up: bool = False  # ... and in per-expert gate/up Hessians (one factorisation per expert)
     # GPTAQ-style: fit Q on the quantized model's inputs to the full-precision model's outputs (a second,

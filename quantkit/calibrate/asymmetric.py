@@ -239,7 +239,8 @@ def quantize_experts_ordered(
             rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")]).float()
             if m_in is not None:
                 rows = rows + rows @ m_in.to(rows.device)
-            q, s = quantize_rows(rows, f_in, group_size, block, scale_dtype, settings.scale_search)
+            q, s = quantize_rows(rows, f_in, group_size, block, scale_dtype,
+                                 settings.scale_search, settings.refit_scales)
             for i, e in enumerate(chunk):
                 lo, hi = 2 * i * inter, (2 * i + 2) * inter
                 finish_gate_up(e, rows[lo:hi], q[lo:hi], s[lo:hi], f_in, h_in, count_in)
@@ -250,7 +251,8 @@ def quantize_experts_ordered(
         for e, f, (_, _, cross) in zip(chunk, factors, stats, strict=True):
             w = torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]])
             ws.append(shifted_target(w, cross, f, strength) if cross is not None else w.float())
-        results = quantize_many(ws, factors, group_size, block, scale_dtype, settings.scale_search)
+        results = quantize_many(ws, factors, group_size, block, scale_dtype,
+                                settings.scale_search, settings.refit_scales)
         for e, w, f, (h, count, _), (q, s) in zip(chunk, ws, factors, stats, results, strict=True):
             finish_gate_up(e, w, q, s, f, h, count)
 
@@ -265,7 +267,8 @@ def quantize_experts_ordered(
             records[e]["samples"]["down"] = count
             w = moe.experts[e]["down_proj"]
             ws.append(shifted_target(w, cross, f, strength) if cross is not None else w)
-        results = quantize_many(ws, factors, group_size, block, scale_dtype, settings.scale_search)
+        results = quantize_many(ws, factors, group_size, block, scale_dtype,
+                                settings.scale_search, settings.refit_scales)
         for e, w, f, (h, _, _), (q, s) in zip(chunk, ws, factors, stats, results, strict=True):
             moe.experts[e]["down_proj"] = w
             _finish(moe, e, "down_proj", q, s, f, h, group_size, scale_dtype, records[e], packed, module_base)

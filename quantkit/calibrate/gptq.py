@@ -11,7 +11,12 @@ inputs `H = X^T X / n`, so that `||W X - Q X||` stays small on real inputs. Here
   `g_idx` and engines run their fast kernels;
 - block updates (`block_size` columns at a time, a rank-`block_size` update for the rest);
 - relative damping `damp * mean(diag(H))`; if the Cholesky factorisation fails the damping is raised
-  ten-fold (twice), and after that the caller falls back to RTN and records it.
+  ten-fold (twice), and after that the caller falls back to RTN and records it;
+- scale refit (`refit=True`, the default): with the codes GPTQ chose held fixed, each row's group scales
+  are re-solved in closed form for the same objective — `min_s (w - dq(s)) H_d (w - dq(s))^T` is a small
+  least-squares problem, one `groups x groups` system per row — and a row keeps its refitted scales only
+  where they lower that objective after rounding to the checkpoint's scale dtype. Static scales are fixed
+  before any GPTQ update; the refit lets them follow the updated weights.
 
 `prepare` factorises one Hessian; `quantize_rows` runs GPTQ on any number of rows that share it — all the
 routed experts of a layer share the Hessian of their gate/up inputs when every token is sent through every
@@ -29,7 +34,7 @@ from quantkit.distributed import World
 from quantkit.quant.int4 import QMAX, QMIN, group_scales, mse_group_scales, quantize_rtn
 
 __all__ = ["Factor", "HessianAccumulator", "ScaleSearch", "gptq", "prepare", "quantize_many", "quantize_rows",
-           "relative_error"]
+           "refit_scales", "relative_error"]
 
 ScaleSearch = Literal["minmax", "mse"]  # group scales: absmax / 7.5, or the input-weighted MSE-best clipping
 
@@ -81,6 +86,7 @@ class Factor:
     damping: float  # relative damping that succeeded (or the last one tried)
     failure: str | None = None  # why GPTQ was not possible (-> RTN)
     diag: torch.Tensor | None = None  # diag(H) in natural column order: each input's energy
+    damped: torch.Tensor | None = None  # the damped Hessian GPTQ minimised, natural column order (scale refit)
 
 
 def prepare(h: torch.Tensor, damp: float = 0.01, actorder: bool = True) -> Factor:
@@ -107,9 +113,13 @@ def prepare(h: torch.Tensor, damp: float = 0.01, actorder: bool = True) -> Facto
         chol, info = torch.linalg.cholesky_ex(trial)
         if int(info) == 0:
             hinv = torch.cholesky_inverse(chol)
+            del chol
             hinv, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if int(info) == 0 and bool(torch.isfinite(hinv).all()):
-                return Factor(hinv, perm, dead, frac, diag=energy)
+                if perm is not None:  # back to natural order, in place of the trial copy
+                    inv = torch.argsort(perm)
+                    trial = trial[inv][:, inv]
+                return Factor(hinv, perm, dead, frac, diag=energy, damped=trial)
     return Factor(None, perm, dead, frac, f"Hessian not positive definite even with damping {frac:g}")
 
 
@@ -120,13 +130,14 @@ def quantize_rows(
     block_size: int = 128,
     scale_dtype: torch.dtype = torch.bfloat16,
     scale_search: ScaleSearch = "minmax",
+    refit: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ codes (int8 `[out, in]`) and scales (`[out, in/group]`, `scale_dtype`) of `w`.
 
     Rows are independent given the factor, so callers may pass any stack of rows that share it.
     With `factor.hinv is None` this is plain RTN.
     """
-    return quantize_many([w], [factor], group_size, block_size, scale_dtype, scale_search)[0]
+    return quantize_many([w], [factor], group_size, block_size, scale_dtype, scale_search, refit)[0]
 
 
 def quantize_many(
@@ -136,13 +147,15 @@ def quantize_many(
     block_size: int = 128,
     scale_dtype: torch.dtype = torch.bfloat16,
     scale_search: ScaleSearch = "minmax",
+    refit: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ of several same-shape weights, each with its own factor, in one batched column loop.
 
     One loop over the columns for all of them (instead of one per module) is what makes hundreds of small
     experts cheap: the per-column work is a handful of batched tensor ops either way. The group scales
     are fixed before the loop from the (model-dtype) weights: `minmax` is compressed-tensors' absmax
-    rule, `mse` searches clipping ratios per group minimising the error weighted by `diag(H)`.
+    rule, `mse` searches clipping ratios per group minimising the error weighted by `diag(H)`. `refit`
+    re-solves them afterwards for the codes chosen (`refit_scales`).
     """
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ws)
     todo = [i for i, f in enumerate(factors) if f.hinv is not None]
@@ -156,9 +169,64 @@ def quantize_many(
         hinv = torch.stack([factors[i].hinv for i in todo])
         codes = _gptq_loop(work, torch.stack(scales), perm // group_size, hinv, block_size)
         codes = _take_cols(codes, torch.argsort(perm, dim=1))
+        del work
         for j, i in enumerate(todo):
-            out[i] = (codes[j], scales[j].to(scale_dtype))
+            scale = scales[j].to(scale_dtype)
+            if refit and factors[i].damped is not None:
+                scale = refit_scales(ws[i], codes[j], scale, factors[i], group_size)
+            out[i] = (codes[j], scale)
     return out  # type: ignore[return-value]
+
+
+def refit_scales(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, factor: Factor, group_size: int,
+                 rows_per_step: int = 1024) -> torch.Tensor:
+    """Group scales re-solved for fixed `codes` (same dtype and shape as `scale`): per row, the minimiser of
+    `(w - s*q) H_d (w - s*q)^T` over the scales `s` of its groups, `H_d = factor.damped`.
+
+    With `M` the `[in, groups]` matrix holding the row's codes in its groups' columns, the objective is
+    `s^T A s - 2 b^T s + const` with `A = M^T H_d M` and `b = M^T H_d w`: one Cholesky solve per row. A row
+    keeps its old scales unless the new ones — rounded to the scale dtype, positive wherever its codes are
+    not all zero — give a lower objective; groups whose codes are all zero keep theirs (any scale is exact).
+    Cost: half of `A` is built, `groups / 2` products of `[rows, group] x [group, in]` and as many elementwise
+    passes over `[rows, in]`: on one core 0.33 s for 4096 x 1024 (GPTQ itself: 0.8 s), 1.5 s for 4096 x 2048
+    (GPTQ: 1.5 s); it grows with the group count, GPTQ's inner loop with its block size. Memory: a few
+    `[rows_per_step, in]` fp32 temporaries at a time.
+    """
+    assert factor.damped is not None
+    h = factor.damped.to(codes.device, torch.float32)
+    dead = factor.dead.to(w.device)
+    out = scale.clone()
+    rows, cols = codes.shape
+    groups = cols // group_size
+    for r0 in range(0, rows, rows_per_step):
+        q = codes[r0 : r0 + rows_per_step].to(torch.float32)
+        n = q.shape[0]
+        # what GPTQ fitted: the weights rounded to the scale dtype, dead columns zeroed
+        target = w[r0 : r0 + n].to(scale.dtype).to(torch.float32).masked_fill(dead, 0)
+        b = (q * (target @ h)).view(n, groups, group_size).sum(-1)
+        del target
+        a = torch.empty(n, groups, groups, dtype=torch.float32, device=q.device)
+        for g in range(groups):  # A is symmetric: row g from column g on, mirrored
+            lo, hi = g * group_size, (g + 1) * group_size
+            a[:, g, g:] = (q[:, lo:] * (q[:, lo:hi] @ h[lo:hi, lo:])).view(n, groups - g, group_size).sum(-1)
+            a[:, g + 1:, g] = a[:, g, g + 1:]
+        used = q.view(n, groups, group_size).abs().sum(-1) > 0  # groups with a nonzero code
+        old = scale[r0 : r0 + n].to(torch.float32)
+        # unused groups: fixed at their old scale (a unit diagonal keeps A definite; b is 0 there)
+        a = a * (used.unsqueeze(1) & used.unsqueeze(2)) + torch.diag_embed((~used).to(a.dtype))
+        rhs = torch.where(used, b, old)
+        chol, info = torch.linalg.cholesky_ex(a)
+        new = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1).to(scale.dtype).to(torch.float32)
+        new = torch.where(used, new, old)
+        better = (info == 0) & torch.isfinite(new).all(-1) & ((new > 0) | ~used).all(-1)
+        better &= _quadratic(a, rhs, torch.where(better.unsqueeze(-1), new, old)) < _quadratic(a, rhs, old)
+        out[r0 : r0 + n] = torch.where(better.unsqueeze(-1), new, old).to(scale.dtype)
+    return out
+
+
+def _quadratic(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`s^T a s - 2 b^T s` per row (the refit objective up to a constant)."""
+    return ((a @ s.unsqueeze(-1)).squeeze(-1) * s).sum(-1) - 2 * (b * s).sum(-1)
 
 
 def _static_scales(w: torch.Tensor, factor: Factor, group_size: int, scale_dtype: torch.dtype,
@@ -245,8 +313,9 @@ def gptq(
     actorder: bool = True,
     scale_dtype: torch.dtype = torch.bfloat16,
     scale_search: ScaleSearch = "minmax",
+    refit: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Factor]:
     """One module: (codes, scales, factor) — the factor says which damping worked or why RTN was used."""
     factor = prepare(h, damp, actorder)
-    q, scale = quantize_rows(w, factor, group_size, block_size, scale_dtype, scale_search)
+    q, scale = quantize_rows(w, factor, group_size, block_size, scale_dtype, scale_search, refit)
     return q, scale, factor

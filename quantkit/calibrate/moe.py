@@ -343,7 +343,7 @@ def quantize_experts(
             records[e]["samples"]["down"] = count
         factors = [prepare(h, damp, actorder) for h, _ in hessians]
         results = quantize_many([moe.held(e)["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
-                                settings.scale_search)
+                                settings.scale_search, settings.refit_scales)
         for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
             finish(e, "down_proj", q, s, factor, h)
         del hessians, factors, results
@@ -357,7 +357,8 @@ def quantize_experts(
         for chunk in _chunks(owned, 2 * inter, limit):
             moe.load(chunk, ("gate_proj", "up_proj"))
             rows = torch.cat([moe.held(e)[p] for e in chunk for p in ("gate_proj", "up_proj")])
-            q, s = quantize_rows(rows, factor, group_size, block, scale_dtype, settings.scale_search)
+            q, s = quantize_rows(rows, factor, group_size, block, scale_dtype,
+                                 settings.scale_search, settings.refit_scales)
             del rows
             for i, e in enumerate(chunk):
                 _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
@@ -370,7 +371,8 @@ def quantize_experts(
             factors = [prepare(h, damp, actorder) for h, _ in hessians]
             moe.load(chunk, ("gate_proj", "up_proj"))
             rows = [torch.cat([moe.held(e)["gate_proj"], moe.held(e)["up_proj"]]) for e in chunk]
-            results = quantize_many(rows, factors, group_size, block, scale_dtype, settings.scale_search)
+            results = quantize_many(rows, factors, group_size, block, scale_dtype,
+                                    settings.scale_search, settings.refit_scales)
             del rows
             for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
                 _finish_gate_up(e, q, s, factor, h, count)

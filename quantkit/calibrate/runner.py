@@ -460,7 +460,7 @@ def _quantize_linear(lin: nn.Linear, h: torch.Tensor, recipe: Recipe, dtype: tor
     if mine:
         factor = prepare(h, g.dampening_frac, g.actorder == "static")
         target = w if cross is None else shifted_target(w, cross, factor, g.asymmetric_strength)
-        q, s = quantize_rows(target, factor, gs, g.block_size, dtype, g.scale_search)
+        q, s = quantize_rows(target, factor, gs, g.block_size, dtype, g.scale_search, g.refit_scales)
         gptq_err, rtn_err = module_errors(target, q, s, h, gs, dtype)
         rec = {
             "damping": factor.damping,
