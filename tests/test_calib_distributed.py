@@ -1,8 +1,8 @@
 """GPTQ + KV statistics across ranks (torch.distributed, gloo on CPU), through the calibration entry point.
 
 Each rank is a real process (tests/dist_calib_driver.py) started with torchrun's environment: 2 ranks
-(and 3, slow) against one process on the tiny trained model — KL to the source within 1% of the
-single-process run; the same world size reproduces the same bytes; a rank killed with SIGKILL after a
+(and 3, slow) against one process on the tiny trained model — KL to the source within 3% of the
+single-process run (`KL_TOL`); the same world size reproduces the same bytes; a rank killed with SIGKILL after a
 layer is published makes every rank exit non-zero, and the rerun — with the same or another world size —
 resumes from the published layers. 5 batches over 2 or 3 ranks: some ranks join the last steps empty.
 """
@@ -33,6 +33,10 @@ from quantkit.recipe import Recipe
 DRIVER = Path(__file__).with_name("dist_calib_driver.py")
 SAMPLES, SEQ = 5, 64
 ROLES = "routed_expert,attention"  # the dense GPTQ solves are dealt to ranks and broadcast too
+# Ranks sum Hessians in another order than one process, which flips a few GPTQ roundings and, through the
+# scale refit, those rows' scales. On 320 calibration tokens that moves the held-out KL by ~2% (measured
+# 1.9% for 2 ranks with the refit, under 1% without it); a rank's statistics lost would move it far more.
+KL_TOL = 0.03
 RECIPE = Recipe(method="gptq", kv_cache="fp8", quantize_roles=ROLES.split(","),
                 calibration={"samples": SAMPLES, "seq_len": SEQ})
 
@@ -158,10 +162,12 @@ def test_two_ranks_match_one_process_and_a_killed_run_resumes_in_one(src, tokens
     # layer 0 sees identical inputs: the routing counts are exact; the statistics cover all tokens
     l0 = lambda c: [(r["expert"], r["routed_tokens"], r["samples"]) for r in c if r["layer"] == 0]  # noqa: E731
     assert l0(res.coverage) == l0(single.coverage)
-    # KV statistics merged over the ranks: the scales of the (slightly different) quantized layers agree
+    # KV statistics merged over the ranks: the scales of the (slightly different) quantized layers agree.
+    # The layers differ by the ranks' summation order only; that moves a layer's KV absmax by ~1% (measured
+    # 1.09% in one layer with the scale refit): 2% still catches a merge that drops a rank (~half the tokens)
     assert res.kv_scales.keys() == single.kv_scales.keys()
     for layer, scales in single.kv_scales.items():
-        assert res.kv_scales[layer] == pytest.approx(scales, rel=1e-2)
+        assert res.kv_scales[layer] == pytest.approx(scales, rel=2e-2)
 
     # rank 1 killed after layer 1: every rank exits non-zero, the published layers stay
     kwork, kranks = killed
@@ -176,7 +182,7 @@ def test_two_ranks_match_one_process_and_a_killed_run_resumes_in_one(src, tokens
     assert messages[0] == "calibration: resuming at layer 2 of 4"
     assert mixed.modules_quantized() == single.modules_quantized()
     one, dist, resumed = kl(src, [single, res, mixed], tmp_path)
-    assert abs(dist - one) <= 0.01 * one and abs(resumed - one) <= 0.01 * one, (one, dist, resumed)
+    assert abs(dist - one) <= KL_TOL * one and abs(resumed - one) <= KL_TOL * one, (one, dist, resumed)
 
 
 @pytest.mark.slow
@@ -217,4 +223,4 @@ def test_three_ranks_torchrun_failure_message_and_resume_from_two(src, tokens, s
     assert (killed / "layer_0001.part1of2.safetensors").exists()
     assert (killed / "layer_0002.part2of3.safetensors").exists() and not list(killed.glob("layer_0002.part*of2*"))
     one, k3, k23 = kl(src, [single, three, _load(src, killed)], tmp_path)
-    assert abs(k3 - one) <= 0.01 * one and abs(k23 - one) <= 0.01 * one, (one, k3, k23)
+    assert abs(k3 - one) <= KL_TOL * one and abs(k23 - one) <= KL_TOL * one, (one, k3, k23)

@@ -7,8 +7,8 @@ inputs `H = X^T X / n`, so that `||W X - Q X||` stays small on real inputs. Here
 - codes and scales follow `quantkit.quant.int4` (= compressed-tensors): `scale = absmax / 7.5` per group of
   input columns, codes in [-8, 7], scales in bf16 — the converter packs them unchanged;
 - *static* activation order: columns are processed in order of decreasing `diag(H)` but each group keeps
-  its original columns and a scale fixed up front from the source weights, so the checkpoint needs no
-  `g_idx` and engines run their fast kernels;
+  its original columns and a scale fixed up front from the source weights (refitted after the loop,
+  below), so the checkpoint needs no `g_idx` and engines run their fast kernels;
 - block updates (`block_size` columns at a time, a rank-`block_size` update for the rest);
 - relative damping `damp * mean(diag(H))`; if the Cholesky factorisation fails the damping is raised
   ten-fold (twice), and after that the caller falls back to RTN and records it;
