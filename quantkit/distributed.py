@@ -81,10 +81,15 @@ class World:
         dist.init_process_group(self.backend, rank=self.rank, world_size=self.size, timeout=timeout)
 
     def stop(self) -> None:
-        """Leave the process group (after the last collective)."""
+        """Leave the process group (after the last collective).
+
+        A barrier first: a rank that returns early from the last collective and tears its connections down
+        while a peer's gloo threads are still completing it can abort that peer at exit (SIGABRT,
+        "terminate called without an active exception", seen once in CI under torchrun)."""
         import torch.distributed as dist
 
         if self.size > 1 and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
     def device(self, requested: str) -> str:
