@@ -175,11 +175,11 @@ def validate_cmd(
     """Check a converted checkpoint against the compressed-tensors format and SGLang/vLLM loader rules.
 
     Exits 2 when a check fails or a selected engine would fail to load or silently mis-serve it."""
+    if not out.is_dir():
+        raise QuantkitError(f"{out}: not a directory")
     from quantkit.engines import ENGINES
     from quantkit.validate import validate_checkpoint
 
-    if not out.is_dir():
-        raise QuantkitError(f"{out}: not a directory")
     engines = ENGINES if engine == EngineChoice.all else (engine.value,)
     report = validate_checkpoint(out, source, engines=engines)
     if as_json:

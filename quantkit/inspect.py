@@ -6,15 +6,16 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.checkpoint.source import open_source
-from quantkit.convert.plan import plan_conversion
-from quantkit.recipe import load_recipe
 
 __all__ = ["inspect_source"]
 
 
 def inspect_source(path: str | Path, recipe: str | None = None) -> dict[str, Any]:
     """Validate the source (as `convert` would) and summarise it by role, with the planned output size."""
-    source = open_source(path)
+    source = open_source(path)  # torch-free: a bad source is reported without importing torch
+    from quantkit.convert.plan import plan_conversion
+    from quantkit.recipe import load_recipe
+
     resolved = load_recipe(recipe, source.config)
     plans = plan_conversion(source, resolved)
     roles: dict[str, dict[str, Any]] = {}

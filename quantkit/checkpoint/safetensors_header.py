@@ -11,10 +11,12 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from quantkit.errors import QuantkitError
+
+if TYPE_CHECKING:  # torch is imported on first use of ST_TO_TORCH: `plan`, `inspect` and `--help` never need it
+    import torch
 
 __all__ = ["DTYPE_BYTES", "HeaderEntry", "ShardHeader", "ST_TO_TORCH", "read_header"]
 
@@ -22,13 +24,25 @@ DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
     "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1,
 }
-ST_TO_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+_ST_TO_TORCH = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
+ST_TO_TORCH: dict[str, torch.dtype]  # bound on first use by __getattr__ below
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_METADATA = 1 << 20  # __metadata__ is a few strings ({"format": "pt"}); megabytes of it is an attack
+
+
+def __getattr__(name: str) -> dict[str, torch.dtype]:
+    """`ST_TO_TORCH` (safetensors dtype name -> torch dtype), built on first use so importing this module
+    does not import torch."""
+    if name != "ST_TO_TORCH":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    table = {st: getattr(torch, attr) for st, attr in _ST_TO_TORCH.items()}
+    globals()["ST_TO_TORCH"] = table
+    return table
 
 
 @dataclass(frozen=True)
@@ -121,7 +135,7 @@ def _entry(path: Path, name: str, info: object) -> HeaderEntry:
         dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]  # type: ignore[index]
     except (TypeError, KeyError, ValueError):
         raise QuantkitError(f"{path}: corrupt header entry for tensor {name}") from None
-    if not isinstance(dtype, str) or dtype not in ST_TO_TORCH or not all(type(d) is int and d >= 0 for d in shape):
+    if not isinstance(dtype, str) or dtype not in _ST_TO_TORCH or not all(type(d) is int and d >= 0 for d in shape):
         raise QuantkitError(f"{path}: tensor {name} has unsupported dtype {dtype!r} or bad shape {shape}")
     numel = 1
     for d in shape:

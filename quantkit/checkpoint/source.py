@@ -7,25 +7,39 @@ Three source formats, one reader:
 - compressed-tensors pack-quantized INT4 (Kimi K2.x): `X.weight_packed/_scale/_shape`.
 
 Each logical weight `X.weight` is assembled from its physical parts wherever they live (the index says
-where). Nothing is read until asked for, and a worker holds at most one tensor at a time.
+where). Nothing is read until asked for, and a worker holds at most one tensor at a time. The checks run
+before anything is read live in `quantkit.checkpoint.checks`; torch is imported only when a tensor is read.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-from quantkit.arch import Adapter, get_adapter, text_config
-from quantkit.checkpoint.safetensors_header import ST_TO_TORCH, HeaderEntry, ShardHeader, read_header
+from quantkit.arch import Adapter, get_adapter
+from quantkit.checkpoint.checks import (
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    check_config,
+    check_config_size,
+    check_formats,
+    check_index,
+    check_inventory,
+    link_root,
+    read_config,
+    read_json,
+    weight_files,
+)
+from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader, read_header
 from quantkit.errors import QuantkitError
-from quantkit.quant.int4 import dequantize_group, unpack_int4
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 __all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint", "TensorFormat", "check_config",
            "link_root", "open_source", "read_config", "read_json"]
@@ -34,21 +48,8 @@ __all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint",
 # plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed: compressed-tensors.
 TensorFormat = Literal["plain", "fp8_block", "int4_packed"]
 
-INDEX_NAME = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _FP8_DTYPES = {"F8_E4M3"}
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
-_PICKLE_REFUSED = "pickle checkpoints are refused (they are never unpickled); convert them to safetensors first"
-_MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
-_MAX_INDEX_BYTES = 256 << 20  # DeepSeek-V3's index is ~10 MB
-_MAX_DIM = 1 << 31
-# Every config.json field the adapters read as a count or a size; each must be a whole number in range.
-_CONFIG_INTS = (
-    "num_hidden_layers", "num_nextn_predict_layers", "first_k_dense_replace", "moe_layer_freq", "hidden_size",
-    "vocab_size", "n_routed_experts", "moe_intermediate_size", "n_shared_experts", "intermediate_size",
-    "num_attention_heads", "head_dim", "num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "kv_lora_rank", "q_lora_rank", "index_n_heads", "index_head_dim", "num_experts_per_tok",
-)
 
 
 @dataclass
@@ -109,6 +110,8 @@ class SourceCheckpoint:
 
     @cached_property
     def model_dtype(self) -> torch.dtype:
+        import torch
+
         """The dtype unquantized weights and scales are written in (bf16 unless the config says fp16)."""
         name = str(self.config.get("torch_dtype") or self.config.get("dtype") or "bfloat16")
         return torch.float16 if "16" in name and "b" not in name else torch.bfloat16
@@ -126,12 +129,14 @@ class SourceCheckpoint:
         return list(self.logical)
 
     # ---- reading ----------------------------------------------------------------------------------
-    def read(self, name: str, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype | None = None, check_finite: bool = True) -> torch.Tensor:
         """The logical tensor `name`, dequantized if needed, as `dtype`.
 
         NaN/Inf raise a QuantkitError naming the file and tensor. Callers that compute group scales
-        anyway pass `check_finite=False` and check the (much smaller) scales instead.
+        anyway pass `check_finite=False` and check the (much smaller) scales instead. `dtype` defaults to fp32.
         """
+        import torch
+
         t = self.logical.get(name)
         if t is None:
             raise QuantkitError(f"{self.root}: no tensor named {name}")
@@ -143,7 +148,7 @@ class SourceCheckpoint:
             value = self.read_physical(name, t.shard)
         if check_finite and value.is_floating_point() and not torch.isfinite(value).all():
             raise QuantkitError(f"{self.root / t.shard}: tensor {name} contains NaN or Inf values")
-        return value.to(dtype) if value.is_floating_point() else value
+        return value.to(dtype or torch.float32) if value.is_floating_point() else value
 
     def read_physical(self, name: str, shard: str) -> torch.Tensor:
         """One stored tensor exactly as on disk, read with a positioned read (no mmap).
@@ -151,6 +156,10 @@ class SourceCheckpoint:
         Plain reads keep the page cache out of the process's resident memory, so a worker's RSS is
         what it computes with, not the shards it has touched.
         """
+        import torch
+
+        from quantkit.checkpoint.safetensors_header import ST_TO_TORCH
+
         header = self.headers[shard]
         entry = header.tensors.get(name)
         if entry is None:
@@ -172,6 +181,8 @@ class SourceCheckpoint:
     def fp8_parts(self, t: LogicalTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored float8 weight of an FP8-block tensor and its fp32 block scales, both checked: the scale
         grid must match the weight, and every scale must be positive and finite."""
+        import torch
+
         scale_name = t.name + "_scale_inv"
         raw = self.read_physical(t.name, t.shard)
         scale = self.read_physical(scale_name, t.parts[scale_name]).to(torch.float32)
@@ -198,6 +209,8 @@ class SourceCheckpoint:
         return weight.mul_(full)
 
     def _dequant_int4(self, t: LogicalTensor) -> torch.Tensor:
+        from quantkit.quant.int4 import dequantize_group, unpack_int4
+
         module = t.name.rsplit(".", 1)[0]
         packed = self.read_physical(f"{module}.weight_packed", t.parts[f"{module}.weight_packed"])
         scale = self.read_physical(f"{module}.weight_scale", t.parts[f"{module}.weight_scale"])
@@ -205,12 +218,18 @@ class SourceCheckpoint:
         return dequantize_group(unpack_int4(packed, t.shape), scale, group)
 
 
-_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+@cache
+def _fp8_table() -> np.ndarray:
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
 
 
 def fp8_to_float32(raw: torch.Tensor) -> torch.Tensor:
     """e4m3fn -> fp32 through a 256-entry table: exact, and ~2.5x faster than torch's cast on CPU."""
-    return torch.from_numpy(_FP8_TABLE[raw.view(torch.uint8).numpy()])
+    import torch
+
+    return torch.from_numpy(_fp8_table()[raw.view(torch.uint8).numpy()])
 
 
 def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
@@ -219,201 +238,14 @@ def open_source(path: str | os.PathLike[str]) -> SourceCheckpoint:
     if not root.is_dir():
         raise QuantkitError(f"{root}: not a directory")
     config = read_config(root)
-    files = _weight_files(root)
+    files = weight_files(root)
     headers = {f: read_header(root / f) for f in files}
-    _check_index(root, files, headers)
-    _check_config_size(root / "config.json", config, sum(len(h.tensors) for h in headers.values()))
+    check_index(root, files, headers)
+    check_config_size(root / "config.json", config, sum(len(h.tensors) for h in headers.values()))
     source = SourceCheckpoint(root, config, headers)
-    _check_formats(source)
-    _check_inventory(source)
+    check_formats(source)
+    check_inventory(source)
     return source
-
-
-def read_config(root: Path) -> dict[str, Any]:
-    """ROOT/config.json, size-bounded and checked (`check_config`) before anything uses its values."""
-    path = root / "config.json"
-    config = read_json(path, _MAX_CONFIG_BYTES)
-    check_config(path, config)
-    return config
-
-
-def read_json(path: Path, max_bytes: int = _MAX_INDEX_BYTES) -> dict[str, Any]:
-    """A JSON object from `path`, refusing files larger than `max_bytes` before reading them."""
-    try:
-        if path.stat().st_size > max_bytes:
-            raise QuantkitError(f"{path}: {path.stat().st_size} bytes, more than the {max_bytes} such a file can "
-                                "plausibly need; refusing to parse it")
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QuantkitError(f"{path}: missing") from None
-    except OSError as exc:
-        raise QuantkitError(f"{path}: cannot read ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise QuantkitError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise QuantkitError(f"{path}: expected a JSON object")
-    return value
-
-
-def link_root(root: Path) -> Path:
-    """Where the files of `root` may resolve to through symlinks: `root` itself, or for a Hugging Face
-    cache snapshot (`models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>`) the cache repo folder."""
-    real = root.resolve()
-    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
-        return real.parent.parent
-    return real
-
-
-def _inside(root: Path, rel: str) -> Path:
-    """Resolve `rel` under `root`, refusing absolute paths, `..` and symlinks that lead out of `link_root`."""
-    if os.path.isabs(rel) or ".." in Path(rel).parts:
-        raise QuantkitError(f"{root / INDEX_NAME}: file {rel!r} points outside the checkpoint directory")
-    candidate = (root / rel).resolve()
-    if not candidate.is_relative_to(link_root(root)):
-        raise QuantkitError(f"{root / rel}: is a symlink to {candidate}, outside the checkpoint directory")
-    return candidate
-
-
-def _weight_files(root: Path) -> list[str]:
-    """Shard files in index order (or the directory's safetensors files when there is no index)."""
-    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    index_path = root / INDEX_NAME
-    if index_path.exists():
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise QuantkitError(f"{index_path}: no weight_map")
-        files: list[str] = []
-        for rel in weight_map.values():
-            if not isinstance(rel, str):
-                raise QuantkitError(f"{index_path}: weight_map values must be file names")
-            if rel.endswith(PICKLE_SUFFIXES):
-                raise QuantkitError(f"{root / rel}: {_PICKLE_REFUSED}")
-            target = _inside(root, rel)
-            if not target.is_file():
-                raise QuantkitError(f"{index_path}: names file {rel}, which does not exist")
-            if rel not in files:
-                files.append(rel)
-        return files
-    files = sorted(p.name for p in root.glob("*.safetensors"))
-    for f in files:
-        _inside(root, f)
-    if not files:
-        if pickles:
-            raise QuantkitError(f"{root / pickles[0]}: {_PICKLE_REFUSED}")
-        raise QuantkitError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
-    return files
-
-
-def _check_index(root: Path, files: list[str], headers: dict[str, ShardHeader]) -> None:
-    """The index and the shard headers must describe exactly the same tensors."""
-    index_path = root / INDEX_NAME
-    seen: dict[str, str] = {}
-    for f in files:
-        for name in headers[f].tensors:
-            if name in seen:
-                raise QuantkitError(f"{root / f}: tensor {name} is also stored in {seen[name]}")
-            seen[name] = f
-    if not index_path.exists():
-        return
-    weight_map: dict[str, str] = read_json(index_path)["weight_map"]
-    for name, rel in weight_map.items():
-        if name not in headers[rel].tensors:
-            raise QuantkitError(f"{index_path}: names tensor {name} in {rel}, which does not contain it")
-    for name, f in seen.items():
-        if name not in weight_map:
-            raise QuantkitError(f"{root / f}: holds tensor {name}, which the index does not list (stale index?)")
-
-
-def check_config(path: Path, config: dict[str, Any]) -> None:
-    """Counts and sizes in config.json are whole numbers in range and `quantization_config` is well formed,
-    checked before any adapter reads them."""
-    text = text_config(config)
-    qc = config.get("quantization_config")
-    if qc is not None and not (isinstance(qc, dict) and isinstance(qc.get("config_groups", {}), dict)
-                               and all(isinstance(g, dict) and isinstance(g.get("weights") or {}, dict)
-                                       for g in (qc.get("config_groups") or {}).values())):
-        raise QuantkitError(f"{path}: quantization_config is malformed (expected an object with config_groups)")
-    for group in ((qc or {}).get("config_groups") or {}).values():
-        size = (group.get("weights") or {}).get("group_size")
-        if size is not None and (type(size) is not int or not 0 < size < _MAX_DIM):
-            raise QuantkitError(f"{path}: quantization_config group_size must be a positive integer, got {size!r}")
-    for key in _CONFIG_INTS:
-        value = text.get(key)
-        if value is None:
-            continue
-        if type(value) is not int or not 0 <= value < _MAX_DIM:
-            raise QuantkitError(f"{path}: {key} must be a whole number between 0 and {_MAX_DIM}, got {value!r}")
-    layers = text.get("num_hidden_layers")
-    if not isinstance(layers, int) or layers < 1:
-        raise QuantkitError(f"{path}: num_hidden_layers must be a positive whole number, got {layers!r}")
-
-
-def _check_config_size(path: Path, config: dict[str, Any], n_tensors: int) -> None:
-    """The config may not imply more tensors than the shards hold: `num_hidden_layers: 1e9` fails at once
-    instead of building an inventory of billions of entries."""
-    text = text_config(config)
-    layers = text["num_hidden_layers"]
-    implied = 2 * layers + 3 * (text.get("n_routed_experts") or 0)  # two norms per layer, one MoE layer at least
-    if implied > n_tensors:
-        raise QuantkitError(f"{path}: num_hidden_layers {layers} and n_routed_experts "
-                            f"{text.get('n_routed_experts')} imply at least {implied} tensors, but the shards hold "
-                            f"{n_tensors}")
-
-
-def _check_formats(source: SourceCheckpoint) -> None:
-    """The tensors must be what `quantization_config` says they are, and quantized parts must fit together."""
-    qc = source.quantization_config
-    path = source.root / "config.json"
-    method = qc.get("quant_method")
-    fmts = {t.fmt for t in source.logical.values()}
-    if "fp8_block" in fmts and method != "fp8":
-        name = next(n for n, t in source.logical.items() if t.fmt == "fp8_block")
-        raise QuantkitError(f"{path}: tensor {name} is FP8 but quantization_config.quant_method is {method!r}, "
-                            "not 'fp8'")
-    if method == "fp8" and "fp8_block" not in fmts:
-        raise QuantkitError(f"{path}: quantization_config says fp8, but no tensor is stored as FP8 (F8_E4M3)")
-    if "int4_packed" in fmts and method != "compressed-tensors":
-        name = next(n for n, t in source.logical.items() if t.fmt == "int4_packed")
-        raise QuantkitError(f"{path}: tensor {name} is INT4-packed but quantization_config.quant_method is "
-                            f"{method!r}, not 'compressed-tensors'")
-    if method == "fp8":
-        block = qc.get("weight_block_size") or [128, 128]
-        if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b < _MAX_DIM
-                                                                    for b in block)):
-            raise QuantkitError(f"{path}: quantization_config.weight_block_size must be two positive integers, "
-                                f"got {block!r}")
-    for name, t in source.logical.items():
-        if t.fmt == "fp8_block":
-            _check_fp8_scale(source, name, t)
-        elif t.fmt == "int4_packed":
-            _check_int4_scale(source, name, t)
-
-
-def _check_fp8_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> None:
-    scale = name + "_scale_inv"
-    entry = source.headers[t.parts[scale]].tensors[scale]
-    bh, bw = source.fp8_block_size
-    if len(t.shape) != 2:
-        raise QuantkitError(f"{source.root / t.shard}: FP8 tensor {name} has shape {list(t.shape)}; block FP8 "
-                            "weights are 2-D")
-    expected = (-(-t.shape[0] // bh), -(-t.shape[1] // bw))
-    if entry.shape != expected:
-        raise QuantkitError(f"{source.root / t.parts[scale]}: tensor {scale} has shape {list(entry.shape)}, "
-                            f"expected {list(expected)} for blocks {bh}x{bw}")
-
-
-def _check_int4_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> None:
-    module = name.rsplit(".", 1)[0]
-    scale = f"{module}.weight_scale"
-    entry = source.headers[t.parts[scale]].tensors[scale]
-    rows, cols = t.shape
-    group = source.int4_group_size
-    ok = len(entry.shape) == 2 and entry.shape[0] == rows and entry.shape[1] > 0 and cols % entry.shape[1] == 0
-    if ok and group is not None:
-        ok = entry.shape[1] * group == cols
-    if not ok:
-        raise QuantkitError(f"{source.root / t.parts[scale]}: tensor {scale} has shape {list(entry.shape)}, which "
-                            f"does not fit weight {[rows, cols]} with group size {group}")
 
 
 def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
@@ -474,24 +306,3 @@ def _bytes(where: dict[str, tuple[str, HeaderEntry]], parts: dict[str, str]) -> 
 def _natural_key(name: str) -> list[Any]:
     """Sort `layers.2` before `layers.10` so processing follows the model's order."""
     return [int(tok) if tok.isdigit() else tok for tok in name.split(".")]
-
-
-def _check_inventory(source: SourceCheckpoint) -> None:
-    """Every tensor the config implies must be present with the shape it implies.
-
-    A wholly absent MTP layer is a warning (some re-uploads strip it); a partly absent one is an error.
-    """
-    specs = source.adapter.inventory()
-    mtp_missing = [s.name for s in specs if s.mtp and s.name not in source.logical]
-    if mtp_missing and len(mtp_missing) == sum(s.mtp for s in specs):
-        source.warnings.append("the source has no MTP layer although config.json declares one")
-        specs = [s for s in specs if not s.mtp]
-    for spec in specs:
-        found = source.logical.get(spec.name)
-        if found is None:
-            raise QuantkitError(f"{source.root}: missing tensor {spec.name} (config.json implies it)")
-        if tuple(found.shape) != spec.shape:
-            raise QuantkitError(
-                f"{source.root / found.shard}: tensor {spec.name} has shape {list(found.shape)}, "
-                f"config.json implies {list(spec.shape)}"
-            )
