@@ -285,11 +285,14 @@ def _record(path: Path | None, rank: int, message: str) -> None:
     if path is None:
         return
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        from quantkit.paths import open_write, replace, safe_mkdir
+
+        safe_mkdir(path, parents=True)
         tmp = path / f".rank{rank}.tmp"
-        tmp.write_text(" ".join(message.split()) + "\n", encoding="utf-8")
-        os.replace(tmp, path / f"rank{rank}.failed")
-    except OSError:
+        with open_write(tmp, text=True) as fh:
+            fh.write(" ".join(message.split()) + "\n")
+        replace(tmp, path / f"rank{rank}.failed")
+    except (OSError, QuantkitError):  # a link planted there is left alone; the run is failing anyway
         pass
 
 

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.paths import open_write, refuse_link, replace, safe_mkdir
 
 __all__ = [
     "JSONValue", "NO_SPACE_ERRNOS", "RunLock", "fsync_dir", "fsync_file", "fsync_tree", "is_no_space", "no_space_error",
@@ -29,16 +30,19 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through `path.tmp`: fsync the file, rename, fsync the directory."""
+    """Write `text` to `path` through `path.tmp`: fsync the file, rename, fsync the directory. Neither name may be
+    a symbolic link (`quantkit.paths`)."""
     tmp = path.with_name(path.name + ".tmp")
+    refuse_link(tmp, path)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open_write(tmp, text=True) as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not also leave a torn .tmp behind
+        if not os.path.islink(tmp):
+            tmp.unlink(missing_ok=True)  # a full disk must not also leave a torn .tmp behind
         raise
     fsync_dir(path.parent)
 
@@ -117,8 +121,9 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         for _ in range(5):  # the holder may rename the directory away between our open and flock
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            safe_mkdir(self.directory, parents=True)
+            refuse_link(self.path)
+            fd = _open_lock(self.path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -157,6 +162,15 @@ class RunLock:
             yield self
         finally:
             self.release()
+
+
+def _open_lock(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
 
 
 def _read_owner(fd: int) -> str:

@@ -325,3 +325,19 @@ def test_hub_ids_are_sources_for_inspect_plan_and_convert(cli, hub, source, tmp_
     assert data.base_model == "zai-org/GLM-tiny" and data.base_model_relation == "quantized"
     code, _, err = cli("kv-scales", "zai-org/GLM-tiny")
     assert code == 2 and "--out" in err
+
+
+def test_pull_never_writes_through_a_planted_link(cli, hub, tmp_path):
+    """quantkit.paths: a link at the pull destination or at the hub cache folder of a source is refused, exit 2."""
+    hub.seed("org/tiny", {"config.json": b"{}", "model.safetensors": _tiny_safetensors()})
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "dest").symlink_to(victim)
+    code, _, err = cli("pull", "org/tiny", str(tmp_path / "dest"), "--quiet")
+    assert code == 2 and f"{tmp_path / 'dest'}: is a symbolic link" in err and "Traceback" not in err, err
+    cache = tmp_path / "hub-cache"
+    cache.mkdir()
+    (cache / "org--tiny").symlink_to(victim)
+    code, _, err = cli("inspect", "org/tiny")
+    assert code == 2 and f"{cache / 'org--tiny'}: is a symbolic link" in err, err
+    assert list(victim.iterdir()) == []

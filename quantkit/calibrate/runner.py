@@ -59,6 +59,7 @@ from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.distributed import SINGLE, World
 from quantkit.durable import fsync_dir, fsync_file, write_json_atomic
 from quantkit.errors import QuantkitError
+from quantkit.paths import open_write, refuse_link, replace, safe_mkdir
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4
 from quantkit.recipe import Recipe
 
@@ -201,7 +202,7 @@ def _check_manifest(work_dir: Path, source: SourceCheckpoint, recipe: Recipe, to
         raise QuantkitError(f"{work_dir}: rank {other} has other calibration inputs (data, recipe or source) than "
                             "rank 0; every rank must run the same command")
     if world.is_main:
-        work_dir.mkdir(parents=True, exist_ok=True)
+        safe_mkdir(work_dir, parents=True)  # the calibration spill: never through a link (quantkit.paths)
         path = work_dir / "manifest.json"
         if path.exists() and json.loads(path.read_text()).get("key") != manifest["key"]:
             say("calibration: work directory was made with other inputs; starting over")
@@ -286,6 +287,7 @@ class ActsWriter:
         self.path, self.world = path, world
         self.tmp = path.with_name(path.name + ".tmp")
         if world.is_main:
+            refuse_link(self.tmp, path)
             shutil.rmtree(self.tmp, ignore_errors=True)
             shutil.rmtree(path, ignore_errors=True)
             self.tmp.mkdir(parents=True)
@@ -301,8 +303,9 @@ class ActsWriter:
     def close(self) -> None:
         self.world.barrier()  # every rank's batches are written
         if self.world.is_main:
-            (self.tmp / "done").write_text("")
-            os.replace(self.tmp, self.path)
+            with open_write(self.tmp / "done"):
+                pass
+            replace(self.tmp, self.path)
 
 
 def _write_acts(path: Path, batches: Iterator[tuple[int, torch.Tensor]], world: World) -> None:
@@ -578,7 +581,8 @@ def _merge_kv(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 
 def _publish(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
+    refuse_link(tmp, path)  # safetensors' writer follows links: check its name first
     save_file(tensors, str(tmp), metadata=meta)
     fsync_file(tmp)
-    os.replace(tmp, path)
+    replace(tmp, path)
     fsync_dir(path.parent)

@@ -12,7 +12,6 @@ metadata files (config, index, tokenizer, card) are hashed when the manifest is 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from quantkit.durable import write_text_atomic
 from quantkit.errors import QuantkitError
+from quantkit.paths import open_write, replace
 
 __all__ = [
     "DIGEST_SUFFIX",
@@ -46,15 +46,16 @@ def write_digest(path: Path, hexdigest: str) -> None:
     """Record the digest of `path` (computed while writing it) in its sidecar, atomically."""
     sidecar = path.with_name(path.name + DIGEST_SUFFIX)
     tmp = sidecar.with_name(sidecar.name + ".tmp")
-    tmp.write_text(f"{hexdigest}  {path.name}\n", encoding="utf-8")
-    os.replace(tmp, sidecar)
+    with open_write(tmp, text=True) as fh:
+        fh.write(f"{hexdigest}  {path.name}\n")
+    replace(tmp, sidecar)
 
 
 def move_digest(src: Path, dst: Path) -> None:
     """Move `src`'s sidecar along with a renamed file (no-op when there is none)."""
     sidecar = src.with_name(src.name + DIGEST_SUFFIX)
     if sidecar.exists():
-        os.replace(sidecar, dst.with_name(dst.name + DIGEST_SUFFIX))
+        replace(sidecar, dst.with_name(dst.name + DIGEST_SUFFIX))
 
 
 def _take_sidecar(path: Path) -> str | None:

@@ -21,6 +21,7 @@ import torch
 
 from quantkit.checkpoint.manifest import write_digest
 from quantkit.durable import fsync_dir
+from quantkit.paths import open_write, replace
 
 __all__ = ["PlannedTensor", "StreamingShardWriter", "TORCH_TO_ST", "fsync_dir", "split_parts"]
 
@@ -79,7 +80,7 @@ class StreamingShardWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
-        self._fh = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish()/abort()
+        self._fh = open_write(self._tmp)  # never through a link (quantkit.paths); closed in finish()/abort()
         self._sha256 = hashlib.sha256()
         self._emit(len(raw).to_bytes(8, "little"))
         self._emit(raw)
@@ -111,7 +112,7 @@ class StreamingShardWriter:
         self._fh.close()
         if self.record_digest:  # before the rename: a finished file always has its digest
             write_digest(self.path, self._sha256.hexdigest())
-        os.replace(self._tmp, self.path)
+        replace(self._tmp, self.path)
         return self.path
 
     def abort(self) -> None:
@@ -120,4 +121,5 @@ class StreamingShardWriter:
             self._fh.close()
         except OSError:
             pass
-        self._tmp.unlink(missing_ok=True)
+        if not os.path.islink(self._tmp):  # a link planted there was refused at open: it stays as it is
+            self._tmp.unlink(missing_ok=True)

@@ -44,6 +44,7 @@ from quantkit.convert.plan import TensorAction, TensorPlan, plan_conversion
 from quantkit.convert.publish import (
     MANIFEST_FILE,
     RECIPE_FILE,
+    WORK_DIRS,
     account,
     carry_over_files,
     finalize_shards,
@@ -68,6 +69,7 @@ from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_r
 from quantkit.errors import QuantkitError
 from quantkit.hub import read_origin
 from quantkit.hub.card import write_card
+from quantkit.paths import refuse_link, safe_mkdir
 from quantkit.progress import Reporter, Silent
 from quantkit.recipe import Recipe
 
@@ -115,10 +117,11 @@ def convert(
     world = World.from_env(device) if world is None else world
     report = (reporter or Silent()) if world.is_main else Silent()
     device = check_device(world.device(device))  # cuda:LOCAL_RANK for a rank of a CUDA run
-    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    out_path = Path(os.path.abspath(out))  # OUT itself is not resolved: a link there is refused, not followed
+    src_path, out_path = Path(src).resolve(), out_path.parent.resolve() / out_path.name
     partial = out_path.with_name(out_path.name + ".partial")
     join(world)
-    with world.guard(lambda: partial / DIST_DIR if partial.is_dir() else None):
+    with world.guard(lambda: partial / DIST_DIR if partial.is_dir() and not partial.is_symlink() else None):
         result = _convert(src_path, out_path, partial, recipe, workers, force, report, device, world)
     world.stop()
     result.seconds = time.perf_counter() - started
@@ -270,6 +273,9 @@ def check_device(device: str) -> str:
 
 
 def _check_paths(src: Path, out: Path) -> None:
+    """SRC and OUT do not overlap, OUT's parent is writable, and none of the names quantkit creates next to
+    it (OUT, OUT.partial, OUT.old) is a symbolic link (`quantkit.paths`): nothing is written through one."""
+    refuse_link(out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".old"))
     if out == src or out.is_relative_to(src):
         raise QuantkitError(f"{out}: refusing to write inside the source directory {src}")
     if src.is_relative_to(out):
@@ -312,6 +318,7 @@ def _resumable(partial: Path, identity: dict[str, Any]) -> bool:
 def _prepare_partial(partial: Path, source: SourceCheckpoint, identity: dict[str, Any], report: Reporter) -> set[int]:
     """Create OUT.partial's work folders, or resume it when it was made by the same source and recipe."""
     run_file = partial / "journal" / _RUN_FILE
+    refuse_link(*(partial / d for d in WORK_DIRS), run_file)  # before anything there is read, kept or discarded
     contents = [p for p in partial.iterdir() if p.name != RunLock.NAME]
     if contents:
         try:
@@ -324,12 +331,13 @@ def _prepare_partial(partial: Path, source: SourceCheckpoint, identity: dict[str
             report.note(f"discarding {partial.name}: {why}")
             for path in contents:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    (partial / "parts").mkdir(exist_ok=True)
-    (partial / "journal").mkdir(exist_ok=True)
+    safe_mkdir(partial / "parts")
+    safe_mkdir(partial / "journal")
     write_json_atomic(run_file, identity)
     done = {i for i in range(len(source.shard_files)) if journal_path(partial, i).exists()}
     for part in (partial / "parts").glob("part-*.safetensors*"):
         if int(part.name.split("-")[1]) not in done:
+            refuse_link(part)
             part.unlink()  # an unfinished shard from the interrupted run: redo it
     if done:
         report.note(f"resuming: {len(done)} of {len(source.shard_files)} shards already converted")

@@ -25,6 +25,7 @@ from quantkit.checkpoint.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckp
 from quantkit.convert.plan import TensorPlan
 from quantkit.durable import RunLock, fsync_dir, fsync_tree
 from quantkit.errors import QuantkitError
+from quantkit.paths import copy_file, refuse_link, replace, safe_mkdir
 
 __all__ = ["WORK_DIRS", "carry_over_files", "finalize_shards", "is_finished", "publish", "run_identity",
            "source_fingerprint", "tool_versions"]
@@ -84,7 +85,7 @@ def finalize_shards(partial: Path, journal: list[dict[str, Any]]) -> dict[str, s
     for i, part in enumerate(parts, start=1):
         final = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
         if (partial / "parts" / part).exists():
-            os.replace(partial / "parts" / part, partial / final)
+            replace(partial / "parts" / part, partial / final)
         elif not (partial / final).exists():
             raise QuantkitError(f"{partial}: the journal lists {part} but neither it nor {final} exists; "
                                 f"delete {partial} and rerun")
@@ -121,8 +122,9 @@ def carry_over_files(source: SourceCheckpoint, partial: Path) -> tuple[list[str]
             skipped.append({"file": rel, "reason": "symlink to a file outside the checkpoint: not copied"})
             continue
         target = partial / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
+        for parent in reversed(target.relative_to(partial).parents[:-1]):
+            safe_mkdir(partial / parent)
+        copy_file(path, target)
         copied.append(rel)
     return copied, skipped
 
@@ -169,6 +171,7 @@ def publish(partial: Path, out: Path, force: bool) -> None:
     write_manifest(partial)  # SHA256SUMS of the final contents; shards from their write-time digests
     fsync_dir(partial)
     old = out.with_name(out.name + ".old")
+    refuse_link(out, old)  # checked up front too; a link is never renamed over or removed as if it were ours
     shutil.rmtree(old, ignore_errors=True)  # left by a run killed while replacing OUT
     if out.exists():
         if not force:  # checked up front too; the directory may have appeared meanwhile

@@ -34,6 +34,7 @@ import torch
 from quantkit.distributed import RankFailed, World
 from quantkit.durable import write_text_atomic
 from quantkit.errors import QuantkitError
+from quantkit.paths import safe_mkdir
 
 __all__ = ["DIST_DIR", "check_same_run", "check_shared_dir", "every_rank", "join", "on_main", "write_nonce"]
 
@@ -121,7 +122,7 @@ def join(world: World) -> None:
 def write_nonce(dist_dir: Path) -> str:
     """Rank 0: a fresh nonce in `dist_dir` (returned, to be sent to the other ranks)."""
     nonce = f"{secrets.token_hex(16)} {socket.gethostname()}"
-    dist_dir.mkdir(parents=True, exist_ok=True)
+    safe_mkdir(dist_dir)
     write_text_atomic(dist_dir / _NONCE_FILE, nonce + "\n")
     return nonce
 

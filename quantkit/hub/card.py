@@ -20,6 +20,7 @@ import yaml
 
 from quantkit.engines import ENGINES
 from quantkit.errors import QuantkitError
+from quantkit.paths import open_write, refuse_link, replace
 
 __all__ = ["CARD_MARK", "CARD_NAME", "SOURCE_README", "is_generated_card", "render_card", "write_card"]
 
@@ -45,12 +46,14 @@ def write_card(directory: Path, repo_id: str | None = None, base_model: str | No
     """(Re)write `directory/README.md`; a source README found there is first kept as README.source.md."""
     card = directory / CARD_NAME
     source_readme = directory / SOURCE_README
+    refuse_link(card, source_readme)
     if card.exists() and not is_generated_card(card) and not source_readme.exists():
-        card.replace(source_readme)  # the source's own README, byte for byte
+        replace(card, source_readme)  # the source's own README, byte for byte
     text = render_card(directory, repo_id, base_model)
     tmp = card.with_name(card.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(card)
+    with open_write(tmp, text=True) as fh:
+        fh.write(text)
+    replace(tmp, card)
     return card
 
 

@@ -37,6 +37,7 @@ from quantkit.checkpoint.source import PICKLE_SUFFIXES
 from quantkit.errors import QuantkitError
 from quantkit.hub import ORIGIN_FILE, read_origin
 from quantkit.hub.card import CARD_NAME, is_generated_card, write_card
+from quantkit.paths import open_write, replace, safe_mkdir
 from quantkit.progress import Reporter, Silent
 
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ def pull(
         raise QuantkitError(f"{where}@{commit}: holds {what}; pickle files are never downloaded")
     for p in refused:
         progress.note(f"refused {p}: pickle file, never downloaded")
-    dest.mkdir(parents=True, exist_ok=True)
+    safe_mkdir(dest, parents=True)  # a link planted at DEST is refused: nothing is downloaded through it
     origin = {"repo_id": repo_id, "revision": revision or "main", "commit": commit, "verified": False}
     _write_origin(dest, origin)
     with _hub_errors(where):
@@ -269,8 +270,9 @@ def pull(
 
 def _write_origin(dest: Path, origin: dict[str, str | bool]) -> None:
     tmp = dest / (ORIGIN_FILE + ".tmp")
-    tmp.write_text(json.dumps(origin, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(dest / ORIGIN_FILE)
+    with open_write(tmp, text=True) as fh:
+        fh.write(json.dumps(origin, indent=2) + "\n")
+    replace(tmp, dest / ORIGIN_FILE)
 
 
 def _check_pulled(dest: Path, files: list[str], remote: dict[str, RepoFile], workers: int, where: str,
