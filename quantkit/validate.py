@@ -108,7 +108,7 @@ def _load(root: Path, report: ValidationReport) -> _Output | None:
         config = json.loads((root / "config.json").read_text())
         index = json.loads((root / INDEX_NAME).read_text())
         weight_map: dict[str, str] = index["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
         report.add("files", [f"config.json / {INDEX_NAME} unreadable: {exc}"], "")
         return None
     problems: list[str] = []
@@ -341,7 +341,7 @@ def _check_against_source(out: _Output, source_dir: Path, modules: list[str], re
     except FileNotFoundError:
         manifest = {}
         problems = [f"{manifest_path} is missing: not written by quantkit; its source tensors cannot be accounted for"]
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         manifest = {}
         problems = [f"{manifest_path} is unreadable ({type(exc).__name__})"]
     quantized = set(modules)

@@ -27,9 +27,10 @@ def _kill_before_journal(count: int) -> None:
     def hook(event: str, args: tuple[object, ...]) -> None:
         if event != "open" or not isinstance(args[0], str | os.PathLike):
             return
-        path, mode = os.fspath(args[0]), args[1]
+        path, mode, flags = os.fspath(args[0]), args[1], args[2]
         name = os.path.basename(path)
-        if isinstance(mode, str) and "w" in mode and name.startswith("shard-") and name.endswith(".json.tmp"):
+        writes = "w" in mode if isinstance(mode, str) else bool(int(flags or 0) & (os.O_WRONLY | os.O_RDWR))
+        if writes and name.startswith("shard-") and name.endswith(".json.tmp"):  # os.open: mode None, flags set
             seen[0] += 1
             if seen[0] == count:
                 os.kill(os.getpid(), signal.SIGKILL)

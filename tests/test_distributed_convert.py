@@ -123,10 +123,11 @@ def test_one_rank_failing_stops_every_rank_with_its_message(source, tmp_path):
     message = f"{shard}: tensor {tensor} contains NaN or Inf values"
     got = {rank: lines(err) for rank, err in launch.stderr.items()}
     assert all(len(v) == 1 for v in got.values()), got  # one line each, no traceback
-    failing = [r for r, v in got.items() if v == [f"error: {message}"]]
+    failing = [r for r, v in got.items() if v[0].startswith(f"error: {message}; ")]  # + what OUT.partial keeps
     assert len(failing) == 1, got
     other = 1 - failing[0]
-    assert got[other] == [f"error: rank {failing[0]} of 2 failed: {message}"]
+    said = got[failing[0]][0].removeprefix("error: ")
+    assert got[other] == [f"error: rank {failing[0]} of 2 failed: {said}"]
     assert not out.exists()
 
 

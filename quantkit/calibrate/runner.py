@@ -194,6 +194,7 @@ def _check_manifest(work_dir: Path, source: SourceCheckpoint, recipe: Recipe, to
     key.update(tokens.numpy().tobytes())
     key.update(json.dumps(recipe.model_dump(mode="json"), sort_keys=True).encode())
     key.update(json.dumps(source.config, sort_keys=True).encode())
+    key.update(json.dumps(source.stamps()).encode())  # a source changed (fixed) since: calibrate again
     key.update(repr((opts.quantize, opts.all_experts, opts.batch_size)).encode())
     manifest = {"key": key.hexdigest(), "layers": source.adapter.num_layers}
     keys = world.all_gather_object(manifest["key"])

@@ -57,6 +57,8 @@ def read_json(path: Path, max_bytes: int = _MAX_INDEX_BYTES) -> dict[str, Any]:
         raise QuantkitError(f"{path}: cannot read ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise QuantkitError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise QuantkitError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise QuantkitError(f"{path}: expected a JSON object")
     return value

@@ -124,6 +124,16 @@ class SourceCheckpoint:
     def source_bytes(self) -> int:
         return sum(h.file_size for h in self.headers.values())
 
+    def stamps(self, files: list[str] | None = None) -> dict[str, list[int]]:
+        """(size, mtime in ns) of source files (all shards by default), as recorded next to work made from them:
+        resumed work is reused only while its files are unchanged, so a source fixed after a bad tensor was found
+        mid-run redoes whatever the fix touched (docs/reliability.md)."""
+        out: dict[str, list[int]] = {}
+        for f in sorted(files if files is not None else self.headers):
+            st = os.stat(self.root / f)
+            out[f] = [st.st_size, st.st_mtime_ns]
+        return out
+
     # ---- naming -----------------------------------------------------------------------------------
     def logical_names(self) -> list[str]:
         return list(self.logical)

@@ -40,11 +40,11 @@ from quantkit.arch import Adapter
 from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.source import SourceCheckpoint, open_source
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
+from quantkit.convert.partial import check_out, check_paths, kept, prepare_partial, read_journal, resumable
 from quantkit.convert.plan import TensorAction, TensorPlan, plan_conversion
 from quantkit.convert.publish import (
     MANIFEST_FILE,
     RECIPE_FILE,
-    WORK_DIRS,
     account,
     carry_over_files,
     finalize_shards,
@@ -62,14 +62,13 @@ from quantkit.convert.ranks import (
     write_nonce,
 )
 from quantkit.convert.space import NeededBytes, planned_bytes, preflight
-from quantkit.convert.worker import ShardJob, convert_shard, journal_path, part_name
-from quantkit.distributed import World, clear_failures
+from quantkit.convert.worker import ShardJob, convert_shard, part_name
+from quantkit.distributed import RankFailed, World, clear_failures
 from quantkit.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
 from quantkit.engines import facts_from_checkpoint, serving_record, unloadable_roles
 from quantkit.errors import QuantkitError
 from quantkit.hub import read_origin
 from quantkit.hub.card import write_card
-from quantkit.paths import refuse_link, safe_mkdir
 from quantkit.progress import Reporter, Silent
 from quantkit.recipe import Recipe
 
@@ -78,7 +77,6 @@ if TYPE_CHECKING:  # the calibration stack imports transformers: only when a rec
 
 __all__ = ["ConvertResult", "Reporter", "check_device", "check_recipe_loadable", "convert"]
 
-_RUN_FILE = "run.json"
 _KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
 
 
@@ -135,7 +133,7 @@ def _convert(
     """The run's steps, in the same order on every rank (see `quantkit.convert.ranks`)."""
 
     def validate() -> tuple[SourceCheckpoint, dict[str, list[TensorPlan]], dict[str, Any]]:
-        _check_paths(src, out)
+        check_paths(src, out)
         source = open_source(src)
         check_recipe_loadable(source.adapter, recipe)
         plans = plan_conversion(source, recipe)
@@ -152,8 +150,13 @@ def _convert(
         if not start["published"]:
             if world.size > 1:
                 check_shared_dir(world, partial / DIST_DIR, start["nonce"])
-            calibration = _convert_shards(source, plans, recipe, partial, set(start["done"]), workers, report,
-                                          device, world)
+            try:
+                calibration = _convert_shards(source, plans, recipe, partial, set(start["done"]), workers, report,
+                                              device, world)
+            except RankFailed:
+                raise
+            except QuantkitError as exc:  # bad input found after work started: say what stays and why
+                raise QuantkitError(f"{exc}; {kept(partial, source, recipe)}") from None
             world.barrier()  # every rank's shards are journaled; a rank that failed never arrives (World.guard)
             on_main(world, lambda: _finish(source, plans, recipe, identity, partial, out, force, calibration))
     actions: dict[TensorAction, int] = {}
@@ -179,15 +182,15 @@ def _start(
 ) -> _Start:
     """Rank 0: OUT checks, free-space preflight, the run lock (kept in `lock_held` until the end), then
     resume or discard OUT.partial; with several ranks, clear old failure records and write the nonce."""
-    _check_out(out, identity, force)
-    preflight(partial, needed, _resumable(partial, identity))
+    check_out(out, identity, force)
+    preflight(partial, needed, resumable(partial, identity))
     lock = RunLock(partial)
     created = not partial.exists()
     lock_held.enter_context(lock.held())
     if out.exists() and not force:  # published by another run while we waited for the lock
         if created:
             shutil.rmtree(partial, ignore_errors=True)
-        _check_out(out, identity, force)
+        check_out(out, identity, force)
     if lock.previous_owner:
         report.note(f"taking over {partial.name} from a run that stopped ({lock.previous_owner})")
     if is_finished(partial, identity):  # killed after the metadata was complete: only publishing is left
@@ -195,7 +198,7 @@ def _start(
         write_card(partial)  # deterministic from quantkit.json: a kill before it was written loses nothing
         publish(partial, out, force)
         return {"published": True, "done": list(range(len(source.shard_files))), "nonce": ""}
-    done = _prepare_partial(partial, source, identity, report)
+    done = prepare_partial(partial, source, identity, report)
     nonce = ""
     if world.size > 1:
         clear_failures(partial / DIST_DIR)
@@ -230,7 +233,7 @@ def _finish(
     partial: Path, out: Path, force: bool, calibration: CalibrationResult | None,
 ) -> None:
     """Rank 0, once every shard is journaled: final shard names, metadata, card, publish."""
-    journal = [_read_journal(partial, i) for i in range(len(source.shard_files))]
+    journal = [read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
         journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
     weight_map = finalize_shards(partial, journal)
@@ -272,87 +275,10 @@ def check_device(device: str) -> str:
     return str(dev)
 
 
-def _check_paths(src: Path, out: Path) -> None:
-    """SRC and OUT do not overlap, OUT's parent is writable, and none of the names quantkit creates next to
-    it (OUT, OUT.partial, OUT.old) is a symbolic link (`quantkit.paths`): nothing is written through one."""
-    refuse_link(out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".old"))
-    if out == src or out.is_relative_to(src):
-        raise QuantkitError(f"{out}: refusing to write inside the source directory {src}")
-    if src.is_relative_to(out):
-        raise QuantkitError(f"{out}: refusing to write over a directory that contains the source")
-    parent = out.parent
-    if not parent.is_dir():
-        raise QuantkitError(f"{parent}: the output's parent directory does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise QuantkitError(f"{parent}: not writable (read-only file system or no permission)")
-
-
-def _check_out(out: Path, identity: dict[str, Any], force: bool) -> None:
-    """OUT must not exist (or --force); a lock left in it by a run killed right after publishing is removed."""
-    if not out.exists() and not out.is_symlink():
-        return
-    if not out.is_dir() or out.is_symlink():
-        raise QuantkitError(f"{out}: exists and is not a directory; refusing to replace it")
-    stray = RunLock(out)
-    if stray.path.exists():  # the publishing run was killed between its rename and removing the lock file
-        try:
-            with stray.held():
-                stray.unlink_before_rename()
-        except QuantkitError:
-            raise QuantkitError(f"{out}: another quantkit run is publishing it right now") from None
-    if force:
-        return
-    if is_finished(out, identity):
-        raise QuantkitError(f"{out}: already converted from this source with this recipe (use --force to redo it)")
-    raise QuantkitError(f"{out}: already exists (use --force to replace it)")
-
-
-def _resumable(partial: Path, identity: dict[str, Any]) -> bool:
-    """Whether the bytes already in OUT.partial count towards this run (read without the lock: an estimate)."""
-    try:
-        return is_finished(partial, identity) or json.loads((partial / "journal" / _RUN_FILE).read_text()) == identity
-    except (OSError, ValueError):
-        return False
-
-
-def _prepare_partial(partial: Path, source: SourceCheckpoint, identity: dict[str, Any], report: Reporter) -> set[int]:
-    """Create OUT.partial's work folders, or resume it when it was made by the same source and recipe."""
-    run_file = partial / "journal" / _RUN_FILE
-    refuse_link(*(partial / d for d in WORK_DIRS), run_file)  # before anything there is read, kept or discarded
-    contents = [p for p in partial.iterdir() if p.name != RunLock.NAME]
-    if contents:
-        try:
-            same = json.loads(run_file.read_text()) == identity
-        except (OSError, ValueError):
-            same = False
-        if not same:
-            why = ("it was made from another source, recipe or quantkit version" if run_file.exists()
-                   else "it holds no journal of a quantkit run")
-            report.note(f"discarding {partial.name}: {why}")
-            for path in contents:
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    safe_mkdir(partial / "parts")
-    safe_mkdir(partial / "journal")
-    write_json_atomic(run_file, identity)
-    done = {i for i in range(len(source.shard_files)) if journal_path(partial, i).exists()}
-    for part in (partial / "parts").glob("part-*.safetensors*"):
-        if int(part.name.split("-")[1]) not in done:
-            refuse_link(part)
-            part.unlink()  # an unfinished shard from the interrupted run: redo it
-    if done:
-        report.note(f"resuming: {len(done)} of {len(source.shard_files)} shards already converted")
-    return done
-
-
 def _output_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in out.glob("*.safetensors"))
 
 
-def _read_journal(partial: Path, index: int) -> dict[str, Any]:
-    return json.loads(journal_path(partial, index).read_text())
-
-
-# ---- running the shard jobs ---------------------------------------------------------------------
 def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: CalibrationResult | None, workers: int,
               report: Reporter) -> None:
     """Convert the shards with `workers` threads of this process, one shard each at a time.

@@ -37,7 +37,8 @@ from quantkit.recipe import Recipe
 if TYPE_CHECKING:  # workers never import the calibration stack (it pulls in transformers)
     from quantkit.calibrate.result import CalibrationResult
 
-__all__ = ["ShardCancelled", "ShardJob", "convert_shard", "journal_path", "part_name", "quantize_rtn_tensor"]
+__all__ = ["ShardCancelled", "ShardJob", "convert_shard", "journal_path", "part_name", "quantize_rtn_tensor",
+           "source_files"]
 
 
 @dataclass
@@ -58,6 +59,11 @@ def part_name(shard_index: int, part: int) -> str:
 
 def journal_path(work_dir: Path, shard_index: int) -> Path:
     return work_dir / "journal" / f"shard-{shard_index:05d}.json"
+
+
+def source_files(job: ShardJob) -> list[str]:
+    """Every source file the shard's tensors are read from (an FP8 scale may live in another shard)."""
+    return sorted({f for plan in job.plans for f in plan.source.parts.values()} | {job.shard})
 
 
 def convert_shard(
@@ -85,7 +91,7 @@ def convert_shard(
         except BaseException:
             writer.abort()
             raise
-    entry = {"shard": job.shard, "parts": written}
+    entry = {"shard": job.shard, "parts": written, "sources": source.stamps(source_files(job))}
     fsync_dir(job.work_dir / "parts")  # the parts' directory entries are durable before the journal says done
     write_json_atomic(journal_path(job.work_dir, job.index), entry)
     return entry

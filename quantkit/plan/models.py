@@ -57,8 +57,8 @@ def load_config(path: Path) -> dict[str, Any]:
     """Read a config.json, turning I/O and JSON errors into one-line user errors."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise QuantkitError(f"{path}: cannot read config ({exc})") from exc
+    except (OSError, json.JSONDecodeError, RecursionError) as exc:
+        raise QuantkitError(f"{path}: cannot read config ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise QuantkitError(f"{path}: config.json must hold a JSON object")
     return data
