@@ -131,3 +131,22 @@ def test_durable_writer_and_lock_never_follow_links(tmp_path):
     with pytest.raises(QuantkitError, match="quantkit.lock: is a symbolic link"):
         RunLock(work).acquire()
     assert victim.read_text() == "do not touch"
+
+
+def test_kv_scales_out_that_is_a_link_is_refused_before_any_work(ckpt_factory, tmp_path, cli):
+    victim = _victim(tmp_path, "dir")
+    before = _fingerprint(victim)
+    (tmp_path / "kvout").symlink_to(victim)
+    code, _, err = cli("kv-scales", str(ckpt_factory("glm_moe_dsa", "fp8")), "--out", str(tmp_path / "kvout"))
+    assert code == 2 and f"{tmp_path / 'kvout'}: is a symbolic link" in err and "Traceback" not in err, err
+    assert _fingerprint(victim) == before and sorted(p.name for p in tmp_path.iterdir() if "kv" in p.name) == ["kvout"]
+
+
+def test_kv_scales_shard_is_never_written_through_a_link(tmp_path):
+    from quantkit.calibrate.kv import KV_SHARD, _atomic
+
+    victim = _victim(tmp_path, "file")
+    (tmp_path / (KV_SHARD + ".tmp")).symlink_to(victim)
+    with pytest.raises(QuantkitError, match="is a symbolic link"):
+        _atomic(tmp_path / KV_SHARD, lambda p: p.write_text("scales"))
+    assert victim.read_text() == "do not touch"

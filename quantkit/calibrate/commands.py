@@ -38,8 +38,11 @@ def kv_scales(
     from quantkit.errors import QuantkitError
     from quantkit.hub.client import is_hub_id, resolve_source
     from quantkit.hub.refresh import refresh_outputs
+    from quantkit.paths import refuse_link
     from quantkit.recipe import Recipe
 
+    if out is not None:
+        refuse_link(out)  # a link at OUT is not followed (quantkit.paths): remove it or name another OUT
     if is_hub_id(str(src)) and out is None:
         raise QuantkitError(f"{src}: a hub source needs --out (the pulled copy is a cache, not a target)")
     src = resolve_source(src)

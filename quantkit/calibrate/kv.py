@@ -284,9 +284,12 @@ def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], adapter:
 
 
 def _atomic(path: Path, write: Any) -> None:
+    from quantkit.paths import refuse_link, replace
+
     tmp = path.with_name(path.name + ".tmp")
+    refuse_link(tmp, path)  # safetensors' writer follows links: check the names first (quantkit.paths)
     write(tmp)
-    os.replace(tmp, path)
+    replace(tmp, path)
 
 
 def link_checkpoint(src: Path, out: Path) -> None:
