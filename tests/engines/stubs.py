@@ -46,7 +46,9 @@ SGLang 0.5.23 (`install_sglang_stubs`):
   with SGLang on Hopper, so `ENABLE_JIT_DEEPGEMM` is on as on an H200) answers `get_num_sms()` = 132,
   which the DSA indexer reads at construction.
 - Serving-side or compiled third-party packages the venv lacks, imported at module level on the import
-  path, none used by config parsing or weight loading: IPython, gguf, pybase64, sentencepiece, zmq.
+  path, none used by config parsing or weight loading: IPython, gguf, pybase64, sentencepiece, zmq; aiohttp
+  (the PD bootstrap HTTP server in `disaggregation/common/conn.py`; the decode-side handshake check the
+  PD tests execute fetches the prefill's reply with `requests`, which is real).
   Pure-Python ones are installed for real instead (tests/engines/run_sglang.py lists them).
 """
 
@@ -273,7 +275,7 @@ def install_vllm_stubs(capability: tuple[int, int] = (9, 0), total_memory: int =
 # ---------------------------------------------------------------------------------------------------
 
 SGLANG_COMPILED = ("sgl_kernel", "tvm_ffi")
-SGLANG_ABSENT_PACKAGES = ("IPython", "gguf", "pybase64", "sentencepiece", "zmq")
+SGLANG_ABSENT_PACKAGES = ("IPython", "aiohttp", "gguf", "pybase64", "sentencepiece", "zmq")
 H200_CAPABILITY = (9, 0)
 H200_MEMORY = (148_000_000_000, 150_754_820_096)  # torch.cuda.mem_get_info: (free, total) of one H200
 
