@@ -309,7 +309,8 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
         sat = facts.kv_saturation_at_1
         at_one = f"; at scale 1.0 the worst layer saturates {sat:.4%} of values" if sat is not None else ""
         kv = KVCacheUse("auto", "none", "vLLM's MLA ignores checkpoint KV scales: BF16 KV by default; "
-                        f"--kv-cache-dtype fp8 would use scale 1.0{at_one}")
+                        f"--kv-cache-dtype fp8 would use scale 1.0{at_one}",
+                        "vLLM's MLA default (every MLA backend reads _k_scale = 1.0)")
         warnings.append("calibrated KV scales are not applied by vLLM for MLA (kept for SGLang and transformers)")
     elif facts.kv_cache_scheme:
         args += ["--kv-cache-dtype", "fp8"]

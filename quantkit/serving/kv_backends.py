@@ -63,7 +63,8 @@ BACKENDS: tuple[BackendKV, ...] = (
     BackendKV("vllm", "FLASHMLA / CUTLASS_MLA / FLASHINFER_MLA / TRITON_MLA / FLASH_ATTN_MLA",
               "concat_and_cache_mla(..., scale=layer._k_scale)", "descale by layer._k_scale", "ignored",
               "attention/layers/mla_attention.py; model_executor/model_loader/weight_utils.py",
-              "read: MLA scales are never loaded (engines.md #6), so _k_scale stays 1.0 on write and read"),
+              "the loader (test_vllm_loads.py: every MLAAttention keeps _k_scale = 1.0, the scales are skipped); "
+              "the backends' kernels are read, not executed: whatever they do with _k_scale, it is 1.0"),
 )
 
 
