@@ -66,3 +66,22 @@ def test_pd_pair_runs_one_scale_on_both_sides() -> None:
     pair = pd_pair(_facts("deepseek-v3"), arch="sm100")
     assert pair.prefill.kv_scale == pair.decode.kv_scale == "1.0"
     assert pair.decode.attention_backend != "triton" and pair.notes
+
+
+def test_pd_plugin_is_a_no_op_unless_switched_on(monkeypatch) -> None:
+    import torch
+
+    from quantkit.serving import sglang_pd
+
+    monkeypatch.delenv(sglang_pd.ENV, raising=False)
+    assert sglang_pd.register() is None
+    monkeypatch.setenv(sglang_pd.ENV, sglang_pd.MODE)
+    with pytest.raises(sglang_pd.PluginNotReady, match="quantkit plan --pd"):
+        sglang_pd.register()  # not wired into SGLang's send path yet: refuses instead of serving a broken pair
+    monkeypatch.setenv(sglang_pd.ENV, "fp8-to-bf16")
+    with pytest.raises(sglang_pd.PluginNotReady, match="only mode"):
+        sglang_pd.register()
+    pages = (torch.randn(2, 64, 576) * 3).to(torch.bfloat16)
+    scaled = sglang_pd.mla_pages_to_fp8(pages, 0.05)
+    assert scaled.shape == pages.shape and scaled.dtype == torch.uint8
+    assert not torch.equal(scaled, pages.to(torch.float8_e4m3fn).view(torch.uint8))  # the scale is applied
