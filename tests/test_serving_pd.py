@@ -85,3 +85,13 @@ def test_pd_plugin_is_a_no_op_unless_switched_on(monkeypatch) -> None:
     scaled = sglang_pd.mla_pages_to_fp8(pages, 0.05)
     assert scaled.shape == pages.shape and scaled.dtype == torch.uint8
     assert not torch.equal(scaled, pages.to(torch.float8_e4m3fn).view(torch.uint8))  # the scale is applied
+
+
+def test_pair_on_one_checkpoint_applies_the_calibrated_scale_on_both_sides() -> None:
+    """Kimi on 8 x H200: only INT4 fits, both sides load quantkit's output with its calibrated MLA scales, so both
+    pin the backend that applies them (divide on write, multiply on read) and agree."""
+    pair = pd_pair(_facts("kimi-k2.6"), weights="int4-g32", prefill_weights="int4-g32")
+    assert pd_problems(pair) == [] and pair.prefill.checkpoint == pair.decode.checkpoint == "<MODEL>"
+    assert pair.prefill.kv_scale == pair.decode.kv_scale == "calibrated"
+    assert pair.prefill.attention_backend == pair.decode.attention_backend == "triton"
+    assert "--moe-runner-backend" in pair.prefill.args and "the calibrated scale" in pair.gives_up

@@ -85,6 +85,7 @@ def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str,
     a = decode["assumptions"]
     return pd_pair(facts, source=f"<{prefill['weights']}-source>", output=f"<{decode['weights']}-checkpoint>",
                    tp=a["tp"], arch=gpu_arch(a["gpu"]), page_size=a["page_size"], weights=decode["weights"],
+                   prefill_weights=prefill["weights"],
                    prefill_extra=_deployment_args(prefill, "prefill"), decode_extra=_deployment_args(decode, "decode"))
 
 

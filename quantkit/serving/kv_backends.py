@@ -76,7 +76,7 @@ def sglang_default_backend(layout: KVLayout, arch: GpuArch) -> str:
     return "trtllm_mla" if arch == "sm100" else ("fa3" if arch == "sm90" else "triton")
 
 
-def sglang_backend(layout: KVLayout, arch: GpuArch, role: str = "") -> str:
+def sglang_backend(layout: KVLayout, arch: GpuArch) -> str:
     """The backend a PD side pins: the same on both sides, and one that runs scale 1.0 (the prefill's FP8 source
     has no KV scales): SGLang's Hopper default for MLA (fa3 ignores the scale at width 576), flashinfer elsewhere;
     DSA: SGLang's FP8 default of the GPU, pinned for both roles so both rows agree."""

@@ -100,9 +100,8 @@ def _kv_row(facts: CheckpointFacts, kv_fp8: bool, dsa_backend: str | None) -> tu
 
 
 def _side(mode: Mode, facts: CheckpointFacts, checkpoint: str, weights: str, scales_loaded: bool, arch: GpuArch,
-          tp: int, page_size: int, extra: list[str]) -> PDSide:
+          tp: int, page_size: int, extra: list[str], backend: str) -> PDSide:
     layout = facts.adapter.kv_layout
-    backend = sglang_backend(layout, arch, role=mode)
     backend_args = (["--dsa-prefill-backend", backend, "--dsa-decode-backend", backend] if layout == KVLayout.DSA
                     else ["--attention-backend", backend])
     kv_row, row_bytes = _kv_row(facts, True, backend if layout == KVLayout.DSA else None)
@@ -117,24 +116,33 @@ def _side(mode: Mode, facts: CheckpointFacts, checkpoint: str, weights: str, sca
 
 def pd_pair(facts: CheckpointFacts, *, source: str = "<fp8-source>", output: str = "<MODEL>", tp: int = 8,
             arch: GpuArch = "sm90", page_size: int = 64, prefill_extra: list[str] | None = None,
-            decode_extra: list[str] | None = None, weights: str = "int4") -> PDPair:
+            decode_extra: list[str] | None = None, weights: str = "int4", prefill_weights: str = "fp8") -> PDPair:
     """The default pair for a quantkit checkpoint (`facts`): prefill on the FP8 source, decode on the output,
     both with FP8 KV at the same scale and byte layout. `*_extra` are deployment args (memory, EP, ...)."""
     sglang = engine_verdicts(facts, ("sglang",))["sglang"]
     int4_args = _without_flag(_without_flag(sglang.args, "--kv-cache-dtype"), "--attention-backend")
-    prefill = _side("prefill", facts, source, "fp8", False, arch, tp, page_size, list(prefill_extra or []))
-    decode = _side("decode", facts, output, weights, sglang.kv_cache.scale == "calibrated", arch, tp, page_size,
-                   int4_args + list(decode_extra or []))
+    calibrated = sglang.kv_cache.scale == "calibrated"
+    layout = facts.adapter.kv_layout
+    backend = sglang_backend(layout, arch)
+    same = prefill_weights == weights  # both sides load quantkit's output (e.g. Kimi: only INT4 fits)
+    if same and calibrated and layout == KVLayout.MLA:
+        backend = sglang.kv_cache.attention_backend  # same scales on both sides: the backend that applies them
+    prefill = _side("prefill", facts, output if same else source, prefill_weights, calibrated and same, arch, tp,
+                    page_size, (int4_args if same else []) + list(prefill_extra or []), backend)
+    decode = _side("decode", facts, output, weights, calibrated, arch, tp, page_size,
+                   int4_args + list(decode_extra or []), backend)
     router = PDRouter(["python", "-m", "sglang_router.launch_router", "--pd-disaggregation",
                        "--prefill", f"http://<prefill-host>:{PORTS['prefill']}", str(BOOTSTRAP_PORT),
                        "--decode", f"http://<decode-host>:{PORTS['decode']}", "--host", "0.0.0.0", "--port", "8000"])
     sat = facts.kv_saturation_at_1
     at_one = f" (the KV report measures {sat:.4%} of values saturating at scale 1.0)" if sat is not None else ""
-    gives_up = ("the prefill writes FP8 KV at scale 1.0 instead of BF16: every prompt token's latent is rounded to "
+    scale = {"per-tile": "its per-tile scales", "calibrated": "the calibrated scale"}.get(
+        prefill.kv_scale, f"scale {prefill.kv_scale}")
+    gives_up = (f"the prefill writes FP8 KV at {scale} instead of BF16: every prompt token's latent is rounded to "
                 f"FP8 once{at_one}; the production split (BF16 on prefill, FP8 on decode) needs a KV hand-off that "
                 "converts dtypes, which stock SGLang does not have")
     notes = []
-    if facts.kv_scale_names and facts.kv_cache_scheme and facts.adapter.kv_layout == KVLayout.MLA:
+    if calibrated and layout == KVLayout.MLA and not same:
         notes.append(f"the decode's calibrated KV scales are not applied: the prefill's FP8 source has none, so both "
                      f"sides run scale 1.0 ({decode.attention_backend} ignores the checkpoint scale)")
     return PDPair(prefill, decode, router, gives_up, notes)
