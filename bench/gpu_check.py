@@ -55,6 +55,7 @@ SECTIONS: dict[str, str] = {  # file stem -> title, in the order the summary lis
     "gptq_tiny": "GPTQ on cuda: tiny trained model vs the CPU run",
     "gptq_layer": "GPTQ on cuda: one real-size GLM-5.2 MoE layer",
     "rtn": "RTN on cuda: the real-size layer",
+    "pd_pages": "PD plugin: BF16 -> FP8 MLA page conversion, cost per page",
 }
 REAL_MODELS = ("glm-5.2", "kimi-k2.6")
 LAYER_MODEL = "glm-5.2"
@@ -375,6 +376,20 @@ def section_integrity(ctx: Context, rep: Report) -> None:
                 ctx.check_budget(margin=5)
 
 
+def section_pd_pages(ctx: Context, rep: Report) -> None:
+    """Issue 19: `sglang_pd.mla_pages_to_fp8` per page at page sizes 1 and 64 (bench/pd_kv_pages.py)."""
+    device = torch_device(ctx)
+    rep.device = device_name(device)
+    from pd_kv_pages import measure
+
+    sizes = ((1, 64), (64, 4)) if ctx.smoke else ((1, 65536), (64, 4096))
+    rep.figures["rows"] = []
+    for page, pages in sizes:
+        rep.figures["rows"].append(measure(page, pages, device.type))
+        rep.save()
+        ctx.check_budget(margin=2)
+
+
 # ---------------------------------------------------------------------------------------- GPTQ tiny
 def _smoke_source(work: Path) -> Path:
     """A random-weight deepseek_v3 checkpoint (quantkit.synth) with the tiny models' BPE tokenizer."""
@@ -646,6 +661,7 @@ def section_rtn(ctx: Context, rep: Report) -> None:
 RUNNERS: dict[str, Callable[[Context, Report], None]] = {
     "tests": section_tests, "kernels": section_kernels, "integrity": section_integrity,
     "gptq_tiny": section_gptq_tiny, "gptq_layer": section_gptq_layer, "rtn": section_rtn,
+    "pd_pages": section_pd_pages,
 }
 
 

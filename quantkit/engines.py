@@ -73,6 +73,7 @@ class KVCacheUse:
     dtype: KVDtype  # the --kv-cache-dtype the args set ("auto" = model dtype unless the config says FP8)
     scale: KVScale  # calibrated (checkpoint scales applied), 1.0 (FP8 without them), none (BF16), per-tile
     detail: str
+    attention_backend: str = "engine default"  # the backend that applies it (quantkit/serving/kv_backends.py)
 
 
 @dataclass
@@ -235,7 +236,8 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
     # KV cache (mem_cache/kv_cache_dtype.py: configure_kv_cache_dtype: with "auto", a compressed-tensors
     # kv_cache_scheme makes the cache FP8 whether or not any scale loaded).
     if a.kv_layout == KVLayout.DSA:
-        kv = KVCacheUse("auto", "per-tile", "DSA: the engine computes FP8 tile scales itself; no checkpoint scales")
+        kv = KVCacheUse("auto", "per-tile", "DSA: the engine computes FP8 tile scales itself; no checkpoint scales",
+                        "DSA default (FP8: flashmla_kv on SM90, trtllm on SM100)")
         if facts.kv_cache_scheme:
             problems.append("kv_cache_scheme on a DSA model switches SGLang to FP8 KV with no scale to apply")
     elif not facts.kv_cache_scheme:
@@ -244,13 +246,23 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
             warnings.append("KV scales present without kv_cache_scheme: SGLang ignores them")
     elif a.kv_layout == KVLayout.MLA:
         if _has_scales(facts, ("k_proj.k_scale", "attn_mqa.k_scale")):
-            args += ["--kv-cache-dtype", "fp8_e4m3"]
+            # The MLA pool writes with a plain cast; only triton divides by k_scale on write and multiplies on
+            # read. SGLang's defaults (fa3 on SM90: scale ignored; trtllm_mla on SM100, flashmla: read x k_scale
+            # only) never apply it consistently (quantkit/serving/kv_backends.py, tests/test_kv_backends.py).
+            from quantkit.serving.kv_backends import consistent_sglang_backend
+
+            backend = consistent_sglang_backend()
+            args += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", backend]
             kv = KVCacheUse("fp8_e4m3", "calibrated", "FP8 KV with the calibrated per-layer scale "
-                            "(self_attn.k_proj.k_scale -> attn_mqa.k_scale)")
+                            f"(self_attn.k_proj.k_scale -> attn_mqa.k_scale), applied on write and read by "
+                            f"--attention-backend {backend}", backend)
+            notes.append(f"--attention-backend {backend} is pinned: SGLang's MLA defaults read FP8 KV x k_scale "
+                         "without dividing on write (flashmla, trtllm_mla, cutedsl_mla) or ignore the scale (fa3, "
+                         "flashinfer)")
         else:
             # deepseek_weight_loader.py: do_load_weights remaps only k_proj/v_proj scale names.
             kv = KVCacheUse("fp8_e4m3", "1.0", "self_attn.k_scale is not a name SGLang loads: KV silently FP8 "
-                            "at scale 1.0")
+                            "at scale 1.0", "SGLang default (fa3 on SM90, trtllm_mla on SM100)")
             problems.append("MLA KV scales under names SGLang skips while kv_cache_scheme switches it to FP8 KV "
                             "at scale 1.0 (convert again with this quantkit version, which writes both spellings)")
     else:  # GQA
@@ -297,7 +309,8 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
         sat = facts.kv_saturation_at_1
         at_one = f"; at scale 1.0 the worst layer saturates {sat:.4%} of values" if sat is not None else ""
         kv = KVCacheUse("auto", "none", "vLLM's MLA ignores checkpoint KV scales: BF16 KV by default; "
-                        f"--kv-cache-dtype fp8 would use scale 1.0{at_one}")
+                        f"--kv-cache-dtype fp8 would use scale 1.0{at_one}",
+                        "vLLM's MLA default (every MLA backend reads _k_scale = 1.0)")
         warnings.append("calibrated KV scales are not applied by vLLM for MLA (kept for SGLang and transformers)")
     elif facts.kv_cache_scheme:
         args += ["--kv-cache-dtype", "fp8"]
@@ -357,8 +370,13 @@ def engine_verdicts(facts: CheckpointFacts, engines: Iterable[Engine] = ENGINES)
 
 
 def serving_record(facts: CheckpointFacts) -> dict[str, Any]:
-    """The `serving` block of quantkit.json: per engine version, verdict, args, KV use, notes, launch line."""
-    return {e: v.to_dict() for e, v in engine_verdicts(facts).items()}
+    """The `serving` block of quantkit.json: per engine version, verdict, args, KV use, notes, launch line;
+    `sglang.pd` is the prefill/decode pair SGLang accepts (quantkit/serving/pd.py)."""
+    from quantkit.serving.pd import pd_pair
+
+    record = {e: v.to_dict() for e, v in engine_verdicts(facts).items()}
+    record["sglang"]["pd"] = pd_pair(facts).to_dict()
+    return record
 
 
 def read_checkpoint_facts(ckpt: Path) -> CheckpointFacts:

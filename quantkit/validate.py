@@ -97,9 +97,24 @@ def validate_checkpoint(path: str | Path, source: str | Path | None = None, samp
     _check_engine_rules(out, modules, qconfig, report)
     _check_kv_scales(out, report)
     report.engines = engine_verdicts(read_checkpoint_facts(root), engines)
+    _check_pd_pair(root, report)
     if source is not None:
         _check_against_source(out, Path(source), modules, report)
     return report
+
+
+def _check_pd_pair(root: Path, report: ValidationReport) -> None:
+    """The prefill/decode pair quantkit.json records: refused if SGLang would refuse or corrupt it."""
+    from quantkit.serving.pd import PDPair, pd_problems
+
+    try:
+        record = json.loads((root / "quantkit.json").read_text())["serving"]["sglang"]["pd"]
+        pair = PDPair.from_dict(record)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return  # no pair recorded (older outputs): nothing to check
+    report.add("sglang PD pair", pd_problems(pair),
+               f"prefill and decode both advertise {pair.decode.kv_dtype_resolved!r}, page {pair.decode.page_size}, "
+               f"{pair.decode.kv_row} rows of {pair.decode.kv_row_bytes} B, KV scale {pair.decode.kv_scale}")
 
 
 # ---- files --------------------------------------------------------------------------------------

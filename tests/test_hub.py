@@ -140,6 +140,7 @@ def test_card_parses_and_carries_the_required_fields(converted, source):
     # convert writes the engines' serving record: the card shows both verdicts and the launch lines
     assert NOT_RECORDED not in text and "### sglang 0.5.23" in text and "### vllm 0.33.0" in text
     assert record["serving"]["sglang"]["launch"][0] in text  # `<MODEL>` until push names the repo
+    assert "#### Prefill/decode pair" in text and " ".join(record["serving"]["sglang"]["pd"]["decode"]["args"]) in text
     assert "The original card text." in text and "Permission is hereby granted" in text
     assert (converted / "README.source.md").read_bytes() == (source / "README.md").read_bytes()
 

@@ -52,7 +52,8 @@ def test_text_output_prints_units_assumptions_and_recommendation() -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert "GiB" in out and "mem_fraction" in out and "headroom_tokens" in out
-    assert "prefill: weights fp8 + KV bf16" in out
+    # the modelled best prefill KV is BF16, but the pair stock SGLang accepts runs FP8 on both sides (issue 19)
+    assert "prefill: weights fp8 + KV fp8" in out and "prefill gives up" in out
     assert "decode: weights int4-g32 + KV fp8" in out
     assert "--kv-cache-dtype fp8_e4m3" in out and "--disaggregation-mode decode" in out
     single = CliRunner().invoke(app, ["plan", "glm-5.2", "--weights", "int4", "--kv", "fp8"]).output
@@ -96,7 +97,7 @@ def test_ep_dp_attention_and_shared_expert_flags_reach_the_launch_commands(tmp_p
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "--ep-size 8" in out and "--enable-dp-attention --dp-size 8" in out
+    assert "--ep-size 8" in out and "--enable-dp-attention" in out and "--dp-size 8" in out
     # DeepSeek V3 disables shared-expert fusion for W4A16 itself (deepseek_v2.py): no flag, Marlin MoE
     assert "decode: weights int4-g32 + KV fp8" in out and "--moe-runner-backend marlin" in out
     assert "--disable-shared-experts-fusion" not in out
@@ -111,3 +112,22 @@ def test_glm4_launch_command_disables_shared_expert_fusion_from_the_engine_recor
     decode = result.output.split("decode: weights int4", 1)[1]
     assert "--disable-shared-experts-fusion" in decode and "--moe-runner-backend marlin" in decode
     assert "scale 1.0" in result.output
+
+
+def test_pd_json_is_the_pair_record_and_compare_prints_the_same_commands() -> None:
+    from quantkit.plan.recommend import sglang_flags
+    from quantkit.serving.pd import PDPair, pd_problems
+
+    result = CliRunner().invoke(app, ["plan", "glm-5.2", "--gpu", "h200", "--tp", "8", "--pd", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert {"prefill", "decode", "router"} <= set(record) and record["router"]["args"][:3] == [
+        "python", "-m", "sglang_router.launch_router"]
+    pair = PDPair.from_dict(record)
+    assert pd_problems(pair) == []
+    assert pair.prefill.kv_dtype_resolved == pair.decode.kv_dtype_resolved == "fp8_e4m3"
+    assert pair.prefill.kv_row_bytes == pair.decode.kv_row_bytes == 656  # DSA, flashmla_kv on both (SM90)
+    assert pair.prefill.checkpoint == "<fp8-source>" and pair.decode.weights.startswith("int4")
+    compare = CliRunner().invoke(app, ["plan", "glm-5.2", "--gpu", "h200", "--tp", "8", "--compare"]).output
+    for side in (pair.prefill, pair.decode, pair.router):
+        assert sglang_flags(side.args).replace("\n", "\n  ") in compare

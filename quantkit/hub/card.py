@@ -327,7 +327,8 @@ def _serving(serving: dict[str, Any] | None, model_ref: str) -> str:
         if rec.get("args"):
             lines.append("Required arguments: `" + " ".join(str(a) for a in rec["args"]) + "`")
         if kv:
-            lines.append(f"KV cache: {kv.get('dtype', '?')}, scale {kv.get('scale', '?')}. {kv.get('detail', '')}")
+            lines.append(f"KV cache: {kv.get('dtype', '?')}, scale {kv.get('scale', '?')}, attention backend "
+                         f"{kv.get('attention_backend', 'engine default')}. {kv.get('detail', '')}")
         launch = [str(cmd).replace("<MODEL>", model_ref) for cmd in rec.get("launch") or []]
         if launch:
             label = "Launch (prefill / decode pair):" if len(launch) == 2 else "Launch:"
@@ -335,8 +336,24 @@ def _serving(serving: dict[str, Any] | None, model_ref: str) -> str:
         lines += [f"- **fails:** {p}" for p in rec.get("problems") or []]
         lines += [f"- **warning:** {w}" for w in rec.get("warnings") or []]
         lines += [f"- {note}" for note in rec.get("notes") or []]
+        if rec.get("pd"):
+            lines.append(_pd_pair(rec["pd"], model_ref))
         parts.append("\n\n".join(lines))
     return "\n\n".join(parts)
+
+
+def _pd_pair(pd: dict[str, Any], model_ref: str) -> str:
+    """The prefill/decode pair SGLang accepts (quantkit/serving/pd.py): three commands and what they store."""
+    cmds = [" ".join(str(a) for a in pd[side]["args"]).replace("<MODEL>", model_ref)
+            for side in ("prefill", "decode", "router")]
+    rows = [[side, pd[side]["checkpoint"].replace("<MODEL>", model_ref), pd[side]["kv_dtype_resolved"],
+             pd[side]["kv_scale"], pd[side]["attention_backend"],
+             f"{pd[side]['kv_row']} ({pd[side]['kv_row_bytes']} B)"]
+            for side in ("prefill", "decode")]
+    text = ("#### Prefill/decode pair (PD disaggregation)\n\n"
+            + _table(["side", "checkpoint", "KV dtype", "KV scale", "attention", "KV row per token and layer"], rows)
+            + "\n\n```bash\n" + "\n".join(cmds) + "\n```\n\n" + f"The prefill gives up: {pd.get('gives_up', '')}.")
+    return text + "".join(f"\n- {n}" for n in pd.get("notes") or [])
 
 
 def _provenance(record: dict[str, Any], hub: dict[str, Any]) -> str:

@@ -74,6 +74,9 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         compare: bool = typer.Option(
             False, "--compare", help="Table: weights {bf16,fp8,int4} x KV {bf16,fp8}."
         ),
+        pd: bool = typer.Option(
+            False, "--pd", help="The prefill/decode pair SGLang accepts (with --json: the record)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Will it fit, how many tokens of KV, how many requests, how fast: per precision plan, per GPU."""
@@ -93,9 +96,12 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         from quantkit.hub.client import is_hub_id, resolve_source
 
         source = resolve_model(str(resolve_source(model, config_only=True)) if is_hub_id(model) else model)
-        if compare:
+        if compare or pd:
             rows = plan_compare(source, dep, group_size)
             rec = recommend(rows, source.config, group_size)
+            if pd and as_json:
+                _print_json(rec["pd"])
+                return
             if as_json:
                 _print_json(rows)
                 return

@@ -1,9 +1,10 @@
 """Which precision for prefill and which for decode, and the SGLang flags for each side.
 
-Prefill is compute-bound: the plan with the highest modelled prefill speed wins, with BF16 KV
-(the cache it writes is read once by decode; BF16 keeps it exact). Decode is bandwidth- and
-capacity-bound: the plan with the highest modelled throughput at the largest batch that fits the
-context wins. The numbers decide, not a fixed rule; for GLM-5.2 / Kimi on H200 they give the
+Prefill is compute-bound: the plan with the highest modelled prefill speed wins, preferring BF16 KV
+(the cache it writes is read once by decode; BF16 keeps it exact). The launch commands are the PD pair
+stock SGLang accepts (`quantkit.serving.pd`): FP8 KV on both sides, the note says what the prefill gives
+up. Decode is bandwidth- and capacity-bound: the plan with the highest modelled throughput at the largest
+batch that fits the context wins. The numbers decide, not a fixed rule; for GLM-5.2 / Kimi on H200 they give the
 production choice (prefill FP8 + BF16 KV, decode INT4 + FP8 KV).
 
 The checkpoint-specific SGLang flags of an INT4 side (MoE backend, shared-expert fusion, what KV scale is
@@ -15,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from quantkit.engines import engine_verdicts, facts_from_recipe
+from quantkit.serving.pd import PDPair, gpu_arch, pd_pair, pd_problems
 
-__all__ = ["int4_engine_args", "recommend", "sglang_flags"]
+__all__ = ["int4_engine_args", "pd_record", "recommend", "sglang_flags"]
 
 _KV_FLAGS = ("--kv-cache-dtype",)
 
@@ -47,67 +49,65 @@ def _best(rows: list[dict[str, Any]], key: str, kv: str | None = None) -> dict[s
     return max(candidates, key=lambda r: r[key]) if candidates else None
 
 
-def sglang_flags(row: dict[str, Any], mode: str, engine_args: list[str]) -> str:
-    """`python -m sglang.launch_server` arguments for one side of a PD-disaggregated deployment."""
+def _deployment_args(row: dict[str, Any], mode: str) -> list[str]:
+    """The planner's per-side SGLang args (memory, chunking, context, EP / DP attention, batch cap)."""
     a = row["assumptions"]
-    kv = "fp8_e4m3" if row["kv"] == "fp8" else "auto"
-    parts = [
-        "python -m sglang.launch_server",
-        f"--model-path <{row['weights']}-checkpoint>",
-        f"--tp-size {a['tp']}",
-        f"--disaggregation-mode {mode}",
-        f"--kv-cache-dtype {kv}",
-        f"--mem-fraction-static {row['mem_fraction_effective']}",
-        f"--page-size {a['page_size']}",
-        f"--chunked-prefill-size {a['headroom_tokens']}",
-        f"--context-length {a['context']}",
-        "--trust-remote-code",
-    ]
+    args = ["--mem-fraction-static", str(row["mem_fraction_effective"]), "--chunked-prefill-size",
+            str(a["headroom_tokens"]), "--context-length", str(a["context"])]
     if a["ep"]:
-        parts.append(f"--ep-size {a['tp']}")
+        args += ["--ep-size", str(a["tp"])]
     if a["dp_attention"]:
-        parts.append(f"--enable-dp-attention --dp-size {a['tp']}")
-    if engine_args:
-        parts.append(" ".join(engine_args))
+        args += ["--enable-dp-attention", "--dp-size", str(a["tp"])]
     if mode == "decode":
-        parts.append(f"--max-running-requests {max(1, row['max_concurrent_requests'])}")
-    return " \\\n    ".join(parts)
+        args += ["--max-running-requests", str(max(1, row["max_concurrent_requests"]))]
+    return args
+
+
+def sglang_flags(args: list[str]) -> str:
+    """A launch argv as a copyable shell command, one flag per line."""
+    lines, current = [], list(args[:3])
+    for a in args[3:]:
+        if a.startswith("--") and current:
+            lines.append(" ".join(current))
+            current = []
+        current.append(a)
+    lines.append(" ".join(current))
+    return " \\\n    ".join(lines)
+
+
+def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any], group_size: int) -> PDPair:
+    """The PD pair for the chosen rows: prefill on the FP8 source, decode on quantkit's INT4 output."""
+    from quantkit.recipe import load_recipe
+
+    roles = load_recipe(None, config).quantize_roles
+    int4 = decode["weights"].startswith("int4")
+    facts = facts_from_recipe(config, group_size, roles if int4 else (), decode["kv"] == "fp8")
+    a = decode["assumptions"]
+    return pd_pair(facts, source=f"<{prefill['weights']}-source>", output=f"<{decode['weights']}-checkpoint>",
+                   tp=a["tp"], arch=gpu_arch(a["gpu"]), page_size=a["page_size"], weights=decode["weights"],
+                   prefill_weights=prefill["weights"],
+                   prefill_extra=_deployment_args(prefill, "prefill"), decode_extra=_deployment_args(decode, "decode"))
 
 
 def recommend(rows: list[dict[str, Any]], config: dict[str, Any], group_size: int = 32) -> dict[str, Any]:
     """Pick the prefill and decode plans from a `plan_compare` table, with launch flags."""
     prefill = _best(rows, "prefill_tok_s", kv="bf16") or _best(rows, "prefill_tok_s")
     decode = _best(rows, "decode_tok_s_at_full_batch")
-    out: dict[str, Any] = {"prefill": None, "decode": None}
-    notes = []
-
-    def flags(row: dict[str, Any], mode: str) -> str:
-        args: list[str] = []
-        if row["weights"].startswith("int4"):
-            args, note = int4_engine_args(config, group_size, row["kv"] == "fp8")
-            if note:
-                notes.append(f"{mode}: {note}")
-        return sglang_flags(row, mode, args)
-
-    if prefill:
-        out["prefill"] = {
-            "weights": prefill["weights"],
-            "kv": prefill["kv"],
-            "prefill_tok_s": prefill["prefill_tok_s"],
-            "sglang": flags(prefill, "prefill"),
-        }
-    if decode:
-        out["decode"] = {
-            "weights": decode["weights"],
-            "kv": decode["kv"],
-            "max_concurrent_requests": decode["max_concurrent_requests"],
-            "decode_tok_s_at_full_batch": decode["decode_tok_s_at_full_batch"],
-            "sglang": flags(decode, "decode"),
-        }
-    out["note"] = (
-        "PD disaggregation with BF16 KV on prefill and FP8 KV on decode needs a KV transfer that "
-        "converts dtypes (the production setup); without it run both sides with --kv-cache-dtype fp8_e4m3."
-    )
-    if notes:
-        out["note"] += " " + " ".join(notes)
+    out: dict[str, Any] = {"prefill": None, "decode": None, "pd": None}
+    if not (prefill and decode):
+        out["note"] = "no PD pair: a side has no plan that fits"
+        return out
+    pair = pd_record(config, prefill, decode, group_size)
+    out["pd"] = pair.to_dict()
+    out["prefill"] = {"weights": prefill["weights"], "kv": "fp8", "planned_kv": prefill["kv"],
+                      "prefill_tok_s": prefill["prefill_tok_s"], "sglang": sglang_flags(pair.prefill.args)}
+    out["decode"] = {"weights": decode["weights"], "kv": decode["kv"],
+                     "max_concurrent_requests": decode["max_concurrent_requests"],
+                     "decode_tok_s_at_full_batch": decode["decode_tok_s_at_full_batch"],
+                     "sglang": sglang_flags(pair.decode.args)}
+    out["router"] = sglang_flags(pair.router.args)
+    notes = [f"the modelled best prefill KV is {prefill['kv']}; the pair stock SGLang accepts runs FP8 KV on both "
+             f"sides (prefill gives up: {pair.gives_up})"] if prefill["kv"] != "fp8" else []
+    problems = pd_problems(pair)
+    out["note"] = " ".join(notes + pair.notes + [f"PROBLEM: {p}" for p in problems])
     return out

@@ -103,5 +103,8 @@ def recommend_text(rec: dict[str, Any]) -> str:
             continue
         lines.append(f"  {side}: weights {r['weights']} + KV {r['kv']}")
         lines.append("    " + r["sglang"].replace("\n", "\n  "))
+    if rec.get("router"):
+        lines.append("  router:")
+        lines.append("    " + rec["router"].replace("\n", "\n  "))
     lines.append("  note: " + rec["note"])
     return "\n".join(lines)

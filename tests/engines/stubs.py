@@ -46,8 +46,13 @@ SGLang 0.5.23 (`install_sglang_stubs`):
   with SGLang on Hopper, so `ENABLE_JIT_DEEPGEMM` is on as on an H200) answers `get_num_sms()` = 132,
   which the DSA indexer reads at construction.
 - Serving-side or compiled third-party packages the venv lacks, imported at module level on the import
-  path, none used by config parsing or weight loading: IPython, gguf, pybase64, sentencepiece, zmq.
+  path, none used by config parsing or weight loading: IPython, gguf, pybase64, sentencepiece, zmq; aiohttp
+  (the PD bootstrap HTTP server in `disaggregation/common/conn.py`; the decode-side handshake check the
+  PD tests execute fetches the prefill's reply with `requests`, which is real).
   Pure-Python ones are installed for real instead (tests/engines/run_sglang.py lists them).
+- Attention-backend runs only (`install_sglang_attention_stubs`, tests/engines/run_sglang_attn.py): `flash_mla`
+  (FlashMLA's compiled kernels, imported at module level by `flashmla_backend.py`) becomes a placeholder
+  module; the kernel functions the backends call are replaced by recorders in the runner itself.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["install_vllm_stubs", "install_sglang_stubs", "KERNEL_CALLS", "PLACEHOLDER_USES"]
+__all__ = ["install_vllm_stubs", "install_sglang_stubs", "install_sglang_attention_stubs", "KERNEL_CALLS",
+           "PLACEHOLDER_USES"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,7 +279,7 @@ def install_vllm_stubs(capability: tuple[int, int] = (9, 0), total_memory: int =
 # ---------------------------------------------------------------------------------------------------
 
 SGLANG_COMPILED = ("sgl_kernel", "tvm_ffi")
-SGLANG_ABSENT_PACKAGES = ("IPython", "gguf", "pybase64", "sentencepiece", "zmq")
+SGLANG_ABSENT_PACKAGES = ("IPython", "aiohttp", "gguf", "pybase64", "sentencepiece", "zmq")
 H200_CAPABILITY = (9, 0)
 H200_MEMORY = (148_000_000_000, 150_754_820_096)  # torch.cuda.mem_get_info: (free, total) of one H200
 
@@ -426,3 +432,11 @@ def install_sglang_stubs(src: str) -> None:
     _propagate_modes_to_threads()
     _cuda_on_cpu_mode().__enter__()
     _bare_sglang_package(src)
+
+
+SGLANG_ATTENTION_COMPILED = ("flash_mla",)
+
+
+def install_sglang_attention_stubs() -> None:
+    """The extra compiled packages the MLA attention backends import at module level (after install_sglang_stubs)."""
+    sys.meta_path.insert(0, _AbsentFinder(SGLANG_ATTENTION_COMPILED))

@@ -1,0 +1,40 @@
+"""The plugin's BF16 -> FP8 page conversion, byte for byte against the pages SGLang's decode server writes itself
+(SGLang's real MLA and DSA pools on the CPU, page sizes 1 and 64; tests/engines/run_sglang_pd_pages.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from harness import HERE, REPO, SOURCES, EngineRunError
+from test_kv_backends import MLA_CASE, _k_scale
+
+
+@pytest.fixture(scope="module")
+def pages(converted, tmp_path_factory) -> dict[int, dict[str, Any]]:
+    if not SOURCES["sglang"].is_dir():
+        raise EngineRunError(f"{SOURCES['sglang']} is missing: run `make engines` first")
+    out = converted(MLA_CASE)[1]
+    tmp = tmp_path_factory.mktemp("sglang-pages")
+    proc = subprocess.run([sys.executable, str(HERE / "run_sglang_pd_pages.py"), str(tmp / "pages.json"), str(out),
+                           repr(_k_scale(out))], capture_output=True, text=True, timeout=600, cwd=tmp,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
+                               "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        raise EngineRunError(f"run_sglang_pd_pages.py exited {proc.returncode}: {proc.stderr[-3000:]}")
+    report = json.loads((tmp / "pages.json").read_text())
+    return {p["page_size"]: p for p in report["pages"]}
+
+
+@pytest.mark.parametrize(("page", "layout", "row"), [(1, "mla", 576), (64, "mla", 576), (1, "dsa", 656),
+                                                    (64, "dsa", 656)])
+def test_converted_prefill_pages_equal_the_decodes_own_pages(pages, page: int, layout: str, row: int) -> None:
+    result = pages[page]
+    assert "error" not in result, result.get("error")
+    got = result[layout]
+    assert got["decode_written"] and got["bytes_per_page"] == page * row
+    assert got["equal"], got
