@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_quantization_config", "FP8_KV_CACHE_SCHEME"]
+__all__ = ["build_fp4_quantization_config", "build_quantization_config", "FP8_KV_CACHE_SCHEME"]
 
 FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
@@ -35,3 +35,21 @@ def build_quantization_config(group_size: int, ignore: list[str], kv_cache: bool
     return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": kv,
             "format": "pack-quantized", "quantization_status": "compressed", "global_compression_ratio": None,
             "ignore": list(ignore)}
+
+
+_FP4_PRESETS = {"nvfp4a16": ("NVFP4A16", "nvfp4-pack-quantized"), "mxfp4a16": ("MXFP4A16", "mxfp4-pack-quantized"),
+                "nvfp4": ("NVFP4", "nvfp4-pack-quantized")}
+
+
+def build_fp4_quantization_config(scheme: str, ignore: list[str], kv_cache: bool = False) -> dict[str, Any]:
+    """An FP4 config built with compressed-tensors' own models: its preset scheme (NVFP4A16, MXFP4A16, NVFP4)
+    targeting `Linear`, format `nvfp4-pack-quantized` / `mxfp4-pack-quantized`, the ignore list and optionally
+    the static FP8 KV scheme. FP4 conversions import compressed-tensors anyway, so no literal copy here."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
+
+    preset, fmt = _FP4_PRESETS[scheme]
+    config = QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}, format=fmt, ignore=list(ignore),
+        quantization_status="compressed",
+        kv_cache_scheme=QuantizationArgs(**FP8_KV_CACHE_SCHEME) if kv_cache else None)
+    return config.model_dump(mode="json")
