@@ -405,6 +405,9 @@ def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
 # ---- metadata -----------------------------------------------------------------------------------
 def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
     """Refuse a recipe that quantizes a role an engine builds unquantized (the output could not be served)."""
+    if recipe.scheme == "nvfp4":  # W4A4: input_global_scale per fused group from calibration (docs/fp4.md)
+        raise QuantkitError(f"recipe {recipe.name}: scheme nvfp4 (W4A4) needs calibrated activation global scales, "
+                            "which this quantkit does not compute yet; use scheme nvfp4a16 (data-free)")
     refused = unloadable_roles(adapter, recipe.quantize_roles)
     if refused:
         role, why = next(iter(refused.items()))
