@@ -151,3 +151,18 @@ def test_compressed_tensors_017_gives_the_same_bytes():
     assert sorted(got) == sorted(ours)
     for k, v in ours.items():
         assert _bytes(v).contiguous().view(torch.uint8).flatten().tolist() == got[k], k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_numba_pass_equals_the_torch_ops(dtype, monkeypatch):
+    """The fused CPU pass (group amax, quotient, E2M1, packing) gives the torch path's bytes."""
+    import quantkit.quant.fp4 as fp4
+
+    w = torch.cat([edge_weight(dtype, 7), (torch.randn(64, 256) * 50).to(dtype)])
+    g = nvfp4_global_scale(tensor_amax(w), dtype)
+    fused_nv, fused_mx = nvfp4_quantize(w, g), mxfp4_quantize(w)
+    monkeypatch.setattr(fp4, "use_fused", False)
+    torch_nv, torch_mx = nvfp4_quantize(w, g), mxfp4_quantize(w)
+    for a, b in ((fused_nv, torch_nv), (fused_mx, torch_mx)):
+        assert torch.equal(a.weight_packed, b.weight_packed)
+        assert torch.equal(_bytes(a.weight_scale), _bytes(b.weight_scale))
