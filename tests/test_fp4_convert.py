@@ -128,3 +128,18 @@ def test_cli_scheme_option_and_w4a4_refusals(cli, ckpt_factory, tmp_path):
     assert code == 0, err
     qc = json.loads((tmp_path / "mx" / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "mxfp4-pack-quantized"
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16", "nvfp4"])
+@pytest.mark.parametrize("kv", [False, True])
+def test_fp4_config_equals_compressed_tensors_models(scheme, kv):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
+
+    from quantkit.checkpoint.qconfig import FP8_KV_CACHE_SCHEME, build_fp4_quantization_config
+
+    fmt = "mxfp4-pack-quantized" if scheme == "mxfp4a16" else "nvfp4-pack-quantized"
+    ref = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(scheme.upper(), ["Linear"])}, format=fmt,
+                             ignore=["re:.*lm_head$"], quantization_status="compressed",
+                             kv_cache_scheme=QuantizationArgs(**FP8_KV_CACHE_SCHEME) if kv else None)
+    ours = build_fp4_quantization_config(scheme, ["re:.*lm_head$"], kv_cache=kv)
+    assert json.dumps(ours) == json.dumps(ref.model_dump(mode="json"))  # same keys, order and values
