@@ -78,6 +78,8 @@ class Recipe(BaseModel):
     def _fp4_is_data_free(self) -> Recipe:
         if self.scheme != "w4a16" and self.method == "gptq":
             raise ValueError(f"scheme {self.scheme}: GPTQ writes INT4 only; use method rtn (data-free FP4)")
+        if self.scheme != "w4a16" and self.scale_search != "minmax":
+            raise ValueError(f"scheme {self.scheme}: scale_search is minmax only (compressed-tensors' FP4 scales)")
         return self
 
     @property

@@ -143,3 +143,10 @@ def test_fp4_config_equals_compressed_tensors_models(scheme, kv):
                              kv_cache_scheme=QuantizationArgs(**FP8_KV_CACHE_SCHEME) if kv else None)
     ours = build_fp4_quantization_config(scheme, ["re:.*lm_head$"], kv_cache=kv)
     assert json.dumps(ours) == json.dumps(ref.model_dump(mode="json"))  # same keys, order and values
+
+
+def test_fp4_presets_and_refused_combinations():
+    for family in ("glm5", "deepseek-v3", "kimi-k2", "glm4"):
+        assert load_recipe(f"{family}-nvfp4a16", {}).scheme == "nvfp4a16"
+    with pytest.raises(QuantkitError, match="minmax"):
+        load_recipe("glm5-nvfp4a16", {}, {"scale_search": "mse"})
