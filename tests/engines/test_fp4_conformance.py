@@ -40,6 +40,14 @@ SMS = ("9.0", "10.0")
 _MTP_TRITON = json.dumps({"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "TRITON_MLA"})
 
 
+def _harness_limit(engine: str, case: FP4Case, sm: str) -> str | None:
+    """Why the harness cannot run this case (None: it can)."""
+    if engine == "vllm" and sm != "9.0" and case[0] == "glm_moe_dsa":
+        return ("vLLM's sparse-MLA backends at SM 10.0 need CUDA at construction (CUTLASS MLA) or FP8 KV "
+                "(FlashMLA sparse); Triton MLA has no sparse mode: a harness limit, not the checkpoint's")
+    return None
+
+
 def _harness_args(engine: str, case: FP4Case, sm: str) -> list[str]:
     if engine != "vllm" or sm == "9.0" or case[0] == "glm4_moe":  # GQA: vLLM's default backend constructs
         return []
@@ -101,7 +109,7 @@ def fp4_report(fp4_converted):
         if (engine, case, sm) not in cache:
             fast = case in FAST and sm == "9.0"  # slow requests batch every slow case of their SM too
             batch = FAST if fast else [c for c in FAST + SLOW if (c in SLOW or sm != "9.0")
-                                       and (engine, c, sm) not in cache]
+                                       and (engine, c, sm) not in cache and not _harness_limit(engine, c, sm)]
             runs = []
             for c in batch:
                 out = fp4_converted(c)
@@ -140,6 +148,9 @@ def test_engine_loads_fp4_output_as_the_record_says(engine, case, sm, fp4_conver
     scheme = case[2]
     verdict = json.loads((out / "quantkit.json").read_text())["serving"][engine]
     assert set(verdict["gpus"]) == {"hopper (SM90)", "blackwell (SM100)"}
+    limit = _harness_limit(engine, case, sm)
+    if limit:
+        pytest.skip(limit)
     report = fp4_report(engine, case, sm)
     sections = [report] + ([report["draft"]] if report.get("draft") else [])
     if verdict["verdict"] == "fails":
