@@ -135,6 +135,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # ~10-20 s (a fresh interpreter importing compressed-tensors 0.17)
 @pytest.mark.skipif(not (CT017 / "compressed_tensors").is_dir(), reason="engine wheels not fetched (make engines)")
 def test_compressed_tensors_017_gives_the_same_bytes():
     """vLLM pins compressed-tensors 0.17: its own compressor, run in a subprocess, gives our bytes too."""
