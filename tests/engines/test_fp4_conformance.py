@@ -194,3 +194,18 @@ def test_engine_loads_fp4_output_as_the_record_says(engine, case, sm, fp4_conver
         assert pairs
         for gate in pairs:
             assert scales[gate] == scales[gate.removesuffix("gate_proj") + "up_proj"], gate
+
+
+def test_fp4_config_parses_with_vllms_compressed_tensors_017(fp4_converted) -> None:
+    """vLLM 0.33.0 pins compressed-tensors 0.17.0: it parses quantkit's NVFP4A16 and MXFP4A16 configs."""
+    import subprocess
+    import sys
+
+    from harness import CT017
+    from test_conformance import _CT017_PARSE
+
+    outs = [fp4_converted(c) for c in FAST[:2]]
+    res = subprocess.run([sys.executable, "-c", _CT017_PARSE, str(CT017), *(str(o / "config.json") for o in outs)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["0.17.0", "nvfp4-pack-quantized", "False", "0.17.0", "mxfp4-pack-quantized", "False"]
