@@ -14,6 +14,12 @@ Before the timed run, quantkit converts a tiny generated checkpoint once, which 
 seconds are printed apart (`--no-warm-up` times the first run as it comes).
 
     python bench/convert_vs_model_free_ptq.py --workers 2 --shards 4
+    python bench/convert_vs_model_free_ptq.py --workers 2 --shards 4 --scheme nvfp4a16
+
+`--scheme nvfp4a16 | mxfp4a16` runs the FP4 schemes (the peer with compressed-tensors' NVFP4A16 / MXFP4A16
+preset on the same targets). The peer gives each expert's gate_proj and up_proj their own NVFP4 global
+scale where quantkit fuses them (docs/fp4.md), so those tensors differ by design: the comparison reports the
+unfused tensors (down_proj, every MXFP4 tensor) as bit-identical or not, and the gate/up ones apart.
 """
 
 from __future__ import annotations
@@ -48,8 +54,13 @@ src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 index = json.load(open(src + "/model.safetensors.index.json"))["weight_map"]
 fp8 = [n[: -len(".weight_scale_inv")] for n in index if n.endswith(".weight_scale_inv")]
 experts = [m for m in fp8 if ".mlp.experts." in m]
-scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], weights=QuantizationArgs(
-    num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+targets = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
+if sys.argv[5] == "w4a16":
+    scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+else:
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme(sys.argv[5].upper(), targets)
 conv = FP8BlockDequantizer(targets=experts, ignore=[m for m in fp8 if m not in experts], weight_block_size=(128, 128))
 model_free_ptq(src, out, scheme=scheme, ignore=[], max_workers=workers, converter=conv)
 """
@@ -66,7 +77,7 @@ import sys, torch
 torch.set_num_threads(int(sys.argv[4]))
 from quantkit.convert import convert
 from quantkit.recipe import load_recipe
-convert(sys.argv[1], sys.argv[2], load_recipe("glm5-w4a16-g32", {}), workers=int(sys.argv[3]))
+convert(sys.argv[1], sys.argv[2], load_recipe("glm5-w4a16-g32", {}, {"scheme": sys.argv[5]}), workers=int(sys.argv[3]))
 """
 
 
@@ -135,9 +146,9 @@ def run_sampled(cmd: list[str], env: dict[str, str], what: str) -> dict[str, flo
             "sys_seconds": system - sys0, "peak_rss_bytes": peak[0]}
 
 
-def run_measured(code: str, args: list[str], threads: int) -> dict[str, float]:
+def run_measured(code: str, args: list[str], threads: int, scheme: str = "w4a16") -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    return run_sampled([sys.executable, "-c", code, *args, str(threads)], env, "benchmark run")
+    return run_sampled([sys.executable, "-c", code, *args, str(threads), scheme], env, "benchmark run")
 
 
 def generate_source(dest: Path, shards: int, config_overrides: dict[str, int]) -> Path:
@@ -149,15 +160,20 @@ def generate_source(dest: Path, shards: int, config_overrides: dict[str, int]) -
     return dest
 
 
-def warm_up_kernels(work: Path, threads: int) -> float:
+def warm_up_kernels(work: Path, threads: int, scheme: str = "w4a16") -> float:
     """Convert a tiny generated checkpoint with quantkit once (the same kernels as the timed run, so their
     numba cache is filled); its CPU seconds, the interpreter start included."""
     src = generate_source(work / "warm_src", 1, {})
-    return run_measured(OURS, [str(src), str(work / "warm_out"), "1"], threads)["cpu_seconds"]
+    return run_measured(OURS, [str(src), str(work / "warm_out"), "1"], threads, scheme)["cpu_seconds"]
 
 
-def compare_outputs(a: Path, b: Path) -> int:
-    """Number of packed/scale tensors that differ between the two outputs (0 = bit-identical)."""
+_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale")
+_FUSED_BY_QUANTKIT = (".gate_proj.", ".up_proj.")
+
+
+def compare_outputs(a: Path, b: Path, fused_apart: bool = False) -> tuple[int, int]:
+    """(packed/scale tensors that differ, tensors compared); with `fused_apart` (NVFP4) the gate/up tensors,
+    whose global scales quantkit fuses and the peer does not, are left out of the comparison."""
     import torch
     from safetensors import safe_open
 
@@ -165,7 +181,8 @@ def compare_outputs(a: Path, b: Path) -> int:
         out = {}
         for f in d.glob("*.safetensors"):
             with safe_open(f, "pt") as fh:
-                out.update({k: (f, k) for k in fh.keys() if k.endswith((".weight_packed", ".weight_scale"))})
+                out.update({k: (f, k) for k in fh.keys() if k.endswith(_SUFFIXES)
+                            and not (fused_apart and any(p in k for p in _FUSED_BY_QUANTKIT))})
         return out
 
     ta, tb = tensors(a), tensors(b)
@@ -173,8 +190,23 @@ def compare_outputs(a: Path, b: Path) -> int:
     differ = 0
     for k in ta:
         with safe_open(ta[k][0], "pt") as fa, safe_open(tb[k][0], "pt") as fb:
-            differ += not torch.equal(fa.get_tensor(k), fb.get_tensor(k))
-    return differ
+            x, y = fa.get_tensor(k), fb.get_tensor(k)
+            if x.dtype == torch.float8_e4m3fn:
+                x, y = x.view(torch.uint8), y.view(torch.uint8)
+            differ += x.dtype != y.dtype or not torch.equal(x, y)
+    return differ, len(ta)
+
+
+def unfused_pairs(peer: Path) -> tuple[int, int]:
+    """(experts whose gate/up global scales differ in the peer's output, experts)."""
+    from safetensors import safe_open
+
+    scales: dict[str, float] = {}
+    for f in peer.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            scales.update({k: float(fh.get_tensor(k)) for k in fh.keys() if k.endswith("proj.weight_global_scale")})
+    gates = [k for k in scales if ".gate_proj." in k]
+    return sum(scales[g] != scales[g.replace(".gate_proj.", ".up_proj.")] for g in gates), len(gates)
 
 
 def main() -> None:
@@ -186,6 +218,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--ours-only", action="store_true", help="skip the peer (e.g. to show RSS vs shard size)")
     parser.add_argument("--src", type=Path, default=None, help="reuse a source generated by an earlier run")
+    parser.add_argument("--scheme", default="w4a16", choices=["w4a16", "nvfp4a16", "mxfp4a16"])
     parser.add_argument("--no-warm-up", action="store_true",
                         help="time quantkit's first run as it comes (with a compile when the kernel cache is empty)")
     args = parser.parse_args()
@@ -204,12 +237,12 @@ def main() -> None:
     print(f"generated {source_bytes / 1e9:.2f} GB in {len(shards)} shards (largest {max(shards) / 1e9:.2f} GB) "
           f"in {time.perf_counter() - t:.0f}s")
 
-    warm_up_cpu = None if args.no_warm_up else warm_up_kernels(work, args.threads)
+    warm_up_cpu = None if args.no_warm_up else warm_up_kernels(work, args.threads, args.scheme)
     if warm_up_cpu is not None:
         print(f"quantkit kernel warm-up (tiny checkpoint, not timed below): {warm_up_cpu:.2f} CPU-s")
     read_s = min(plain_read(src) for _ in range(3))
     load_before = os.getloadavg()[0]
-    ours = run_measured(OURS, [str(src), str(work / "ours"), str(args.workers)], args.threads)
+    ours = run_measured(OURS, [str(src), str(work / "ours"), str(args.workers)], args.threads, args.scheme)
     if args.ours_only:
         print(f"quantkit convert: {ours['seconds']:.2f}s, {ours['cpu_seconds']:.2f} CPU-s (user "
               f"{ours['user_seconds']:.2f} + sys {ours['sys_seconds']:.2f}), "
@@ -218,9 +251,10 @@ def main() -> None:
               f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
         shutil.rmtree(work, ignore_errors=True)
         return
-    peer = run_measured(PEER, [str(src), str(work / "peer"), str(args.workers)], args.threads)
+    peer = run_measured(PEER, [str(src), str(work / "peer"), str(args.workers)], args.threads, args.scheme)
     load_after = os.getloadavg()[0]
-    differ = compare_outputs(work / "peer", work / "ours")
+    differ, compared = compare_outputs(work / "peer", work / "ours", fused_apart=args.scheme == "nvfp4a16")
+    unfused = unfused_pairs(work / "peer") if args.scheme == "nvfp4a16" else (0, 0)
     rows = {}
     for name, r in (("llm-compressor model_free_ptq", peer), ("quantkit convert", ours)):
         per_worker = r["peak_rss_bytes"] / args.workers / max(shards)
@@ -231,7 +265,9 @@ def main() -> None:
                       "peak_rss_GB": round(r["peak_rss_bytes"] / 1e9, 3),
                       "peak_rss_per_worker_over_largest_shard": round(per_worker, 3)}
     result = {"source_bytes": source_bytes, "shards": len(shards), "largest_shard_bytes": max(shards),
-              "workers": args.workers, "threads_per_worker": args.threads, "tensors_that_differ": differ,
+              "scheme": args.scheme, "workers": args.workers, "threads_per_worker": args.threads,
+              "tensors_that_differ": differ, "tensors_compared": compared,
+              "peer_experts_with_unfused_gate_up_scales": list(unfused),
               "plain_read_s": round(read_s, 3), "plain_read_GB_per_s": round(source_bytes / read_s / 1e9, 3),
               "load_average_before_after": [round(load_before, 2), round(load_after, 2)],
               "quantkit_warm_up_cpu_seconds": None if warm_up_cpu is None else round(warm_up_cpu, 2),
@@ -239,7 +275,8 @@ def main() -> None:
               "cpu_ratio": round(peer["cpu_seconds"] / ours["cpu_seconds"], 2),
               "ours_over_plain_read": round(read_s / ours["seconds"], 4),
               "peak_rss_ratio": round(ours["peak_rss_bytes"] / peer["peak_rss_bytes"], 3), "runs": rows}
-    (args.out / "convert_vs_model_free_ptq.json").write_text(json.dumps(result, indent=2))
+    suffix = "" if args.scheme == "w4a16" else f"_{args.scheme}"
+    (args.out / f"convert_vs_model_free_ptq{suffix}.json").write_text(json.dumps(result, indent=2))
     print("| tool | wall s | CPU s | source GB/s | GB per CPU-s | peak RSS (tree) | RSS per worker / largest shard |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
@@ -248,7 +285,9 @@ def main() -> None:
     print(f"\nquantkit / peer throughput: {result['throughput_ratio']}x wall, {result['cpu_ratio']}x CPU; "
           f"peak RSS ratio {result['peak_rss_ratio']}; plain read {result['plain_read_GB_per_s']} GB/s (quantkit at "
           f"{result['ours_over_plain_read']:.1%} of it); load average {load_before:.1f} -> {load_after:.1f}; "
-          f"packed/scale tensors that differ: {differ}")
+          f"packed/scale tensors that differ: {differ} of {compared}"
+          + (f" (gate/up left out); peer experts with unfused gate/up global scales: {unfused[0]} of {unfused[1]}"
+             if args.scheme == "nvfp4a16" else ""))
     shutil.rmtree(work, ignore_errors=True)
 
 

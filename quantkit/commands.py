@@ -96,6 +96,8 @@ def convert_cmd(
     method: Optional[str] = typer.Option(None, help="rtn | gptq"),  # noqa: UP045
     group_size: Optional[int] = typer.Option(None, help="32 | 64 | 128"),  # noqa: UP045
     scale_search: Optional[str] = typer.Option(None, help="minmax (compressed-tensors exact) | mse"),  # noqa: UP045
+    scheme: Optional[str] = typer.Option(None, help="w4a16 (INT4, default) | nvfp4a16 | mxfp4a16 | nvfp4 (W4A4: "  # noqa: UP045
+                                         "needs --calib) — docs/fp4.md"),
     calib: Optional[str] = typer.Option(None, help="Calibration data: JSONL, text or parquet."),  # noqa: UP045
     samples: Optional[int] = typer.Option(None, help="Calibration samples."),  # noqa: UP045
     seq_len: Optional[int] = typer.Option(None, help="Calibration sequence length."),  # noqa: UP045
@@ -122,10 +124,14 @@ def convert_cmd(
     with RichReporter(quiet=quiet or as_json) as reporter:
         src = resolve_source(src, progress=reporter)
     config = _source_config(src)
-    overrides = {"method": method, "group_size": group_size, "scale_search": scale_search, "kv_cache": kv_cache,
+    overrides = {"method": method, "group_size": group_size, "scale_search": scale_search, "scheme": scheme,
+                 "kv_cache": kv_cache,
                  "calibration.dataset": calib, "calibration.samples": samples, "calibration.seq_len": seq_len,
                  "max_shard_size": max_shard_size}
     resolved = load_recipe(recipe, config, overrides)
+    if resolved.scheme == "nvfp4" and calib is None:
+        raise QuantkitError("--scheme nvfp4 (W4A4) needs activation global scales from calibration: pass --calib "
+                            "DATA (or use nvfp4a16, data-free)")
     with RichReporter(quiet=quiet or as_json) as reporter:
         result = convert(src, out, resolved, workers=workers, force=force, reporter=reporter, device=device,
                          world=world)

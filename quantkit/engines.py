@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from quantkit.arch import Adapter, KVLayout, Role, get_adapter
+from quantkit.engine_fp4 import FP4_GPUS, WeightScheme, fp4_sglang, fp4_vllm
 
 __all__ = [
     "ENGINES",
@@ -28,6 +29,7 @@ __all__ = [
     "Engine",
     "EngineVerdict",
     "KVCacheUse",
+    "WeightScheme",
     "Verdict",
     "engine_verdicts",
     "facts_from_checkpoint",
@@ -90,6 +92,7 @@ class EngineVerdict:
     problems: list[str] = field(default_factory=list)  # it fails to load or would silently mis-serve
     launch: list[str] = field(default_factory=list)
     ignored_tensors: list[str] = field(default_factory=list)  # checkpoint tensors the engine skips by design
+    gpus: dict[str, str] = field(default_factory=dict)  # GPU generation -> what the engine really runs (FP4)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +110,7 @@ class CheckpointFacts:
     indexer_layers: tuple[int, ...]  # layers whose DSA indexer weights are present
     mtp_present: bool
     kv_saturation_at_1: float | None = None  # worst layer's saturated fraction at scale 1.0 (calibration report)
+    scheme: WeightScheme = "w4a16"
 
     @property
     def quantized(self) -> bool:
@@ -168,11 +172,22 @@ def facts_from_checkpoint(config: dict[str, Any], tensor_names: Iterable[str],
         indexer_layers=tuple(indexer),
         mtp_present=mtp,
         kv_saturation_at_1=_worst_saturation(kv_report),
+        scheme=scheme_of_config(qc),
     )
 
 
+def scheme_of_config(qc: dict[str, Any]) -> WeightScheme:
+    """The weight scheme a compressed-tensors `quantization_config` describes (w4a16 for anything not FP4)."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if qc.get("format") == "mxfp4-pack-quantized":
+        return "mxfp4a16"
+    if qc.get("format") == "nvfp4-pack-quantized":
+        return "nvfp4" if groups and groups[0].get("input_activations") else "nvfp4a16"
+    return "w4a16"
+
+
 def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[Role],
-                      kv_scales: bool) -> CheckpointFacts:
+                      kv_scales: bool, scheme: WeightScheme = "w4a16") -> CheckpointFacts:
     """Facts of the checkpoint quantkit would write for `config` with a recipe (used by the planner)."""
     adapter = get_adapter(config)
     # calibration measures the decoder layers; the MTP layer gets no KV scale
@@ -185,6 +200,7 @@ def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[R
         kv_scale_names=frozenset(names),
         indexer_layers=tuple(adapter.indexer_layers()),
         mtp_present=adapter.num_mtp_layers > 0,
+        scheme=scheme,
     )
 
 
@@ -218,7 +234,9 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
     notes: list[str] = []
     warnings: list[str] = []
     problems = _common_problems(facts, "sglang")
-    if facts.quantized:
+    if facts.quantized and facts.scheme != "w4a16":
+        notes += fp4_sglang(facts.scheme, problems)
+    elif facts.quantized:
         # WNA16 MoE: Marlin is the Hopper kernel; the Triton WNA16 MoE accepts group 32 and 128 only
         # (layers/moe/... _is_wna16_triton_moe_supported) and raises for 64.
         args += ["--moe-runner-backend", "marlin"]
@@ -291,7 +309,7 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
         warnings.append(f"SGLang has no NextN draft for {a.wrapper.architecture}: the MTP layer cannot be served")
     elif facts.mtp_present:
         notes.append("MTP layer present: add --speculative-algorithm NEXTN for speculative decoding")
-    return _verdict("sglang", args, kv, notes, warnings, problems, ignored)
+    return _verdict("sglang", args, kv, notes, warnings, problems, ignored, facts.scheme)
 
 
 def _vllm(facts: CheckpointFacts) -> EngineVerdict:
@@ -300,6 +318,8 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
     notes: list[str] = []
     warnings: list[str] = []
     problems = _common_problems(facts, "vllm")
+    if facts.quantized and facts.scheme != "w4a16":
+        notes += fp4_vllm(facts.scheme, warnings)
     if not facts.kv_scale_names:
         kv = KVCacheUse("auto", "per-tile" if a.kv_layout == KVLayout.DSA else "none",
                         "BF16 KV cache" if a.kv_layout != KVLayout.DSA else "DSA: engine-side FP8 tile scales")
@@ -325,7 +345,7 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
                         "'mtp'): the MTP layer cannot be served")
     elif facts.mtp_present:
         notes.append('MTP layer present: add --speculative-config \'{"method": "mtp", "num_speculative_tokens": 1}\'')
-    return _verdict("vllm", args, kv, notes, warnings, problems, ignored)
+    return _verdict("vllm", args, kv, notes, warnings, problems, ignored, facts.scheme)
 
 
 def _indexer_problems(facts: CheckpointFacts, rule: Literal["transformers", "vllm"], who: str) -> list[str]:
@@ -347,10 +367,10 @@ def _indexer_problems(facts: CheckpointFacts, rule: Literal["transformers", "vll
 
 
 def _verdict(engine: Engine, args: list[str], kv: KVCacheUse, notes: list[str], warnings: list[str],
-             problems: list[str], ignored: list[str]) -> EngineVerdict:
+             problems: list[str], ignored: list[str], scheme: WeightScheme = "w4a16") -> EngineVerdict:
     verdict: Verdict = "fails" if problems else ("loads-with-warnings" if warnings else "loads")
     return EngineVerdict(engine, ENGINE_VERSIONS[engine], verdict, args, kv, notes, warnings, problems,
-                         [launch_command(engine, args)], sorted(ignored))
+                         [launch_command(engine, args)], sorted(ignored), dict(FP4_GPUS[engine].get(scheme, {})))
 
 
 def launch_command(engine: Engine, args: list[str], model: str = "<MODEL>", tp: int = 8,

@@ -12,12 +12,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quantkit.arch import Role, family_of_config
 from quantkit.errors import QuantkitError
 
-__all__ = ["Recipe", "load_recipe", "parse_size", "RECIPES_DIR", "default_recipe_name"]
+__all__ = ["Recipe", "Scheme", "load_recipe", "parse_size", "RECIPES_DIR", "default_recipe_name"]
+
+# w4a16: INT4 group-wise (pack-quantized); nvfp4a16 / mxfp4a16: FP4 weights, 16-bit activations;
+# nvfp4: FP4 weights and activations (W4A4, needs activation scales from calibration). docs/fp4.md
+Scheme = Literal["w4a16", "nvfp4a16", "mxfp4a16", "nvfp4"]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -55,6 +59,7 @@ class Recipe(BaseModel):
     name: str = "custom"
     architecture: str | None = None
     method: Literal["rtn", "gptq"] = "rtn"
+    scheme: Scheme = "w4a16"
     group_size: Literal[32, 64, 128] = 32
     quantize_roles: list[Role] = [Role.ROUTED_EXPERT]
     scale_search: Literal["minmax", "mse"] = "minmax"
@@ -69,13 +74,26 @@ class Recipe(BaseModel):
         parse_size(value)
         return value
 
+    @model_validator(mode="after")
+    def _fp4_is_data_free(self) -> Recipe:
+        if self.scheme != "w4a16" and self.method == "gptq":
+            raise ValueError(f"scheme {self.scheme}: GPTQ writes INT4 only; use method rtn (data-free FP4)")
+        if self.scheme != "w4a16" and self.scale_search != "minmax":
+            raise ValueError(f"scheme {self.scheme}: scale_search is minmax only (compressed-tensors' FP4 scales)")
+        return self
+
+    @property
+    def fp4(self) -> Literal["nvfp4", "mxfp4"] | None:
+        """The FP4 format of the weights, None for INT4."""
+        return None if self.scheme == "w4a16" else "mxfp4" if self.scheme == "mxfp4a16" else "nvfp4"
+
     @property
     def max_shard_bytes(self) -> int:
         return parse_size(self.max_shard_size)
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method == "gptq" or self.kv_cache is not None
+        return self.method == "gptq" or self.kv_cache is not None or self.scheme == "nvfp4"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

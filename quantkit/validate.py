@@ -30,6 +30,13 @@ from quantkit.checkpoint.safetensors_header import ShardHeader, read_header
 from quantkit.checkpoint.source import INDEX_NAME
 from quantkit.engines import ENGINES, Engine, EngineVerdict, engine_verdicts, read_checkpoint_facts
 from quantkit.errors import QuantkitError
+from quantkit.validate_fp4 import (
+    FP4_FORMATS,
+    decompress_problems,
+    module_problems,
+    qconfig_problems,
+    unfused_scale_problems,
+)
 
 __all__ = ["Check", "CheckStatus", "ValidationReport", "validate_checkpoint"]
 
@@ -154,6 +161,10 @@ def _check_qconfig(out: _Output, report: ValidationReport) -> Any:
     except Exception as exc:  # pydantic's ValidationError and friends
         report.add("quantization_config", [f"does not parse with compressed-tensors: {str(exc).splitlines()[0]}"], "")
         return None
+    if qconfig.format in FP4_FORMATS:
+        fp4, detail = qconfig_problems(qconfig)
+        report.add("quantization_config", fp4, detail)
+        return qconfig
     problems = []
     if qconfig.format != "pack-quantized":
         problems.append(f"format is {qconfig.format!r}, expected 'pack-quantized'")
@@ -175,7 +186,18 @@ def _group_size(qconfig: Any) -> int:
     return int(next(iter(qconfig.config_groups.values())).weights.group_size) if qconfig else 0
 
 
+def _fp4(qconfig: Any) -> str | None:
+    return FP4_FORMATS.get(qconfig.format) if qconfig is not None else None
+
+
 def _check_modules(out: _Output, modules: list[str], qconfig: Any, report: ValidationReport) -> None:
+    if _fp4(qconfig):
+        report.add("quantized modules", module_problems(out.tensors, modules, _fp4(qconfig) or ""),
+                   f"{len(modules)} modules complete and consistent")
+        if _fp4(qconfig) == "nvfp4":
+            report.add("fused global scales", unfused_scale_problems(out.root, out.tensors, modules),
+                       "every fused group (gate/up, q_a/kv_a, q/k/v) shares one NVFP4 global scale")
+        return
     group, problems = _group_size(qconfig), []
     for m in modules:
         parts = {p: out.tensors.get(f"{m}.{p}") for p in ("weight_packed", "weight_scale", "weight_shape")}
@@ -199,6 +221,10 @@ def _check_decompress(out: _Output, modules: list[str], qconfig: Any, report: Va
     from safetensors import safe_open
 
     if not modules or qconfig is None:
+        return
+    if _fp4(qconfig):
+        report.add("decompression", decompress_problems(out.root, out.tensors, modules, qconfig, sample),
+                   f"{min(sample, len(modules))} sampled modules decompress with compressed-tensors to finite weights")
         return
     scheme = next(iter(qconfig.config_groups.values()))
     step = max(1, len(modules) // max(sample, 1))
@@ -253,7 +279,8 @@ def _check_engine_rules(out: _Output, modules: list[str], qconfig: Any, report: 
     attn = [m for m in quantized if adapter.classify(m + ".weight").role in (Role.ATTENTION, Role.INDEXER)]
     report.add("MLA attention", [f"{attn[0]} is quantized: SGLang's MLA reads kv_b_proj.weight directly"]
                if mla and attn else [], "attention kept unquantized" if mla else "GQA attention")
-    report.add("Marlin / MoE shapes", _shape_problems(out, adapter, modules, _group_size(qconfig), report),
+    report.add("Marlin / MoE shapes", _shape_problems(out, adapter, modules, _group_size(qconfig), report,
+                                                      2 if _fp4(qconfig) else 8),
                f"group {_group_size(qconfig)} divides every per-rank shape up to TP {report.facts.get('max_tp')}")
     _check_mtp(out, adapter, report)
 
@@ -276,16 +303,18 @@ def _fused_problems(linear: dict[str, Role], quantized: set[str], adapter: Any) 
     return problems
 
 
-def _shape_problems(out: _Output, adapter: Any, modules: list[str], group: int, report: ValidationReport) -> list[str]:
-    """Per-rank divisibility for TP 1..8: MoE (group | hidden, group | moe_inter/TP), dense Marlin (64/128)."""
+def _shape_problems(out: _Output, adapter: Any, modules: list[str], group: int, report: ValidationReport,
+                    per_word: int = 8) -> list[str]:
+    """Per-rank divisibility for TP 1..8: MoE (group | hidden, group | moe_inter/TP), dense Marlin (64/128).
+    `per_word`: weights per packed element (8 in INT4's int32, 2 in FP4's uint8)."""
     problems: list[str] = []
-    if group not in (32, 64, 128):
+    if per_word == 8 and group not in (32, 64, 128):
         problems.append(f"group size {group} is not one Marlin accepts (32, 64, 128)")
     ok_tps = []
     for tp in _TPS:
         bad = []
         for m in modules:
-            out_f, in_f = (d * (8 if i else 1) for i, d in enumerate(out.tensors[f"{m}.weight_packed"][1].shape))
+            out_f, in_f = (d * (per_word if i else 1) for i, d in enumerate(out.tensors[f"{m}.weight_packed"][1].shape))
             role = adapter.classify(m + ".weight").role
             row_parallel = m.endswith(("down_proj", "o_proj"))
             per_in, per_out = (in_f // tp, out_f) if row_parallel else (in_f, out_f // tp)
@@ -374,7 +403,7 @@ def _error_problems(out: _Output, source: Any, modules: list[str], manifest: dic
     from safetensors import safe_open
 
     recipe = manifest.get("recipe", {})
-    if recipe.get("method") != "rtn" or recipe.get("scale_search") != "minmax":
+    if (recipe.get("method"), recipe.get("scale_search"), recipe.get("scheme", "w4a16")) != ("rtn", "minmax", "w4a16"):
         return []
     problems = []
     group = int(recipe.get("group_size", 32))

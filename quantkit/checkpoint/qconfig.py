@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_quantization_config", "FP8_KV_CACHE_SCHEME"]
+__all__ = ["build_fp4_quantization_config", "build_quantization_config", "FP8_KV_CACHE_SCHEME"]
 
 FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
@@ -34,4 +34,33 @@ def build_quantization_config(group_size: int, ignore: list[str], kv_cache: bool
     kv = _args(8, "float", "tensor", None, None) if kv_cache else None
     return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": kv,
             "format": "pack-quantized", "quantization_status": "compressed", "global_compression_ratio": None,
+            "ignore": list(ignore)}
+
+
+_FP4_FORMATS = {"nvfp4a16": "nvfp4-pack-quantized", "mxfp4a16": "mxfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
+
+
+def _fp4_args(group_size: int, dynamic: bool | str, observer: str | None) -> dict[str, Any]:
+    """compressed-tensors' FP4 `QuantizationArgs` as its presets serialize them (NVFP4: tensor_group + e4m3 scales,
+    MXFP4: group + uint8 E8M0 scales)."""
+    nv = group_size == 16
+    args = _args(4, "float", "tensor_group" if nv else "group", group_size, observer)
+    args.update(dynamic=dynamic, scale_dtype="torch.float8_e4m3fn" if nv else "torch.uint8")
+    return args
+
+
+def build_fp4_quantization_config(scheme: str, ignore: list[str], kv_cache: bool = False) -> dict[str, Any]:
+    """An FP4 config: compressed-tensors' preset scheme (NVFP4A16, MXFP4A16, NVFP4) targeting `Linear`, format
+    `nvfp4-pack-quantized` / `mxfp4-pack-quantized`, the ignore list and optionally the static FP8 KV scheme.
+
+    Written literally, like the INT4 block (importing compressed-tensors costs ~3-4 CPU-s per run); a test
+    compares it with `QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(...)}, ...)` for
+    every scheme, and `quantkit validate` parses it with compressed-tensors."""
+    weights = _fp4_args(32 if scheme == "mxfp4a16" else 16, False, None)
+    acts = _fp4_args(16, "local", "static_minmax") if scheme == "nvfp4" else None
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None,
+             "format": None}
+    kv = _args(8, "float", "tensor", None, None) if kv_cache else None
+    return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": kv,
+            "format": _FP4_FORMATS[scheme], "quantization_status": "compressed", "global_compression_ratio": None,
             "ignore": list(ignore)}

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 
 from quantkit.arch import Adapter
-from quantkit.checkpoint.qconfig import build_quantization_config
+from quantkit.checkpoint.qconfig import build_fp4_quantization_config, build_quantization_config
 from quantkit.checkpoint.source import SourceCheckpoint, open_source
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
 from quantkit.convert.partial import check_out, check_paths, kept, prepare_partial, read_journal, resumable
@@ -220,12 +220,25 @@ def _convert_shards(
                                 world=world)
     jobs = [ShardJob(i, s, plans[s], partial, recipe, device) for i, s in enumerate(source.shard_files)
             if i not in done]
+    if recipe.fp4 == "nvfp4" and jobs:
+        _share_global_scales(source, plans, partial, workers, report, world)
     mine = [jobs[k] for k in world.balanced([sum(p.source.nbytes for p in j.plans) for j in jobs])]
     if world.size > 1:
         report.note(f"{world.size} ranks: rank 0 converts {len(mine)} of the {len(jobs)} shards left")
     report.stage("converting shards", total=sum(p.source.nbytes for j in mine for p in j.plans))
     _run_jobs(source, mine, calibration, workers, report)
     return calibration
+
+
+def _share_global_scales(source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], partial: Path, workers: int,
+                         report: Reporter, world: World) -> None:
+    """NVFP4: one global scale per fused group (see `quantkit.convert.fp4`); rank 0 computes, every rank uses."""
+    from quantkit.convert.fp4 import group_amax
+
+    report.stage("NVFP4 global scales: amax per fused group")
+    amax = on_main(world, lambda: group_amax(source, plans, partial, workers))
+    for plan in (p for ps in plans.values() for p in ps):
+        plan.group_amax = amax.get(plan.module)
 
 
 def _finish(
@@ -326,6 +339,9 @@ def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
 # ---- metadata -----------------------------------------------------------------------------------
 def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
     """Refuse a recipe that quantizes a role an engine builds unquantized (the output could not be served)."""
+    if recipe.scheme == "nvfp4":  # W4A4: input_global_scale per fused group from calibration (docs/fp4.md)
+        raise QuantkitError(f"recipe {recipe.name}: scheme nvfp4 (W4A4) needs calibrated activation global scales, "
+                            "which this quantkit does not compute yet; use scheme nvfp4a16 (data-free)")
     refused = unloadable_roles(adapter, recipe.quantize_roles)
     if refused:
         role, why = next(iter(refused.items()))
@@ -362,7 +378,10 @@ def _write_metadata(
     config = dict(source.config)
     ignore = source.adapter.ignore_patterns(set(recipe.quantize_roles))
     kv = calibration is not None and bool(calibration.kv_scales)
-    config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
+    if recipe.fp4 is None:
+        config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
+    else:
+        config["quantization_config"] = build_fp4_quantization_config(recipe.scheme, ignore, kv_cache=kv)
     write_json_atomic(partial / "config.json", config)
     reports = calibration.write_reports(partial) if calibration is not None else []
     write_text_atomic(partial / RECIPE_FILE, recipe.to_yaml())

@@ -16,6 +16,7 @@ from quantkit.arch import Role
 from quantkit.checkpoint.safetensors_header import ST_TO_TORCH
 from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
 from quantkit.checkpoint.writer import PlannedTensor
+from quantkit.quant.fp4 import check_fp4_shape, fp4_group_size
 from quantkit.quant.int4 import check_group_size
 from quantkit.recipe import Recipe
 
@@ -25,7 +26,7 @@ TensorAction = Literal["quantize", "passthrough", "keep", "dequantize"]
 
 # Why each action happens; written into quantkit.json next to every tensor.
 REASONS: dict[TensorAction, str] = {
-    "quantize": "role {role} is quantized by the recipe (INT4 group {group})",
+    "quantize": "role {role} is quantized by the recipe ({scheme})",
     "passthrough": "already INT4 with the recipe's scheme: copied unchanged",
     "keep": "role {role} is kept by the recipe: copied unchanged",
     "dequantize": "role {role} is kept by the recipe: {fmt} dequantized to {dtype}",
@@ -43,6 +44,7 @@ class TensorPlan:
     source: LogicalTensor
     outputs: list[PlannedTensor] = field(default_factory=list)
     reason: str = ""
+    group_amax: float | None = None  # NVFP4: amax over the engines' fused group (set by the pre-pass)
 
     @property
     def module(self) -> str:
@@ -63,7 +65,19 @@ def _plan_tensor(source: SourceCheckpoint, recipe: Recipe, roles: set[Role], nam
     dtype = source.model_dtype
     quantizable = info.role in roles and name.endswith(".weight") and len(t.shape) == 2
     plan = TensorPlan(name, "keep", info.role, info.layer, t)
-    if quantizable and t.fmt == "int4_packed" and _same_scheme(source, recipe):
+    if quantizable and recipe.fp4 is not None:
+        check_fp4_shape(t.shape, recipe.fp4, f"{source.root / t.shard}: tensor {name}")
+        out, inp = t.shape
+        m, group = plan.module, fp4_group_size(recipe.fp4)
+        plan.action = "quantize"
+        plan.outputs = [
+            PlannedTensor(f"{m}.weight_packed", torch.uint8, (out, inp // 2)),
+            PlannedTensor(f"{m}.weight_scale", torch.float8_e4m3fn if recipe.fp4 == "nvfp4" else torch.uint8,
+                          (out, inp // group)),
+        ]
+        if recipe.fp4 == "nvfp4":
+            plan.outputs.append(PlannedTensor(f"{m}.weight_global_scale", torch.float32, (1,)))
+    elif quantizable and t.fmt == "int4_packed" and _same_scheme(source, recipe):
         plan.action = "passthrough"
         plan.outputs = [PlannedTensor(p, ST_TO_TORCH[source.headers[f].tensors[p].dtype],
                                       source.headers[f].tensors[p].shape) for p, f in sorted(t.parts.items())]
@@ -83,7 +97,8 @@ def _plan_tensor(source: SourceCheckpoint, recipe: Recipe, roles: set[Role], nam
     else:
         plan.outputs = [PlannedTensor(name, ST_TO_TORCH[t.dtype], t.shape)]
     fmt = {"fp8_block": "FP8-block", "int4_packed": "INT4"}.get(t.fmt, t.fmt)
-    plan.reason = REASONS[plan.action].format(role=info.role.value, group=recipe.group_size, fmt=fmt,
+    scheme = f"INT4 group {recipe.group_size}" if recipe.fp4 is None else recipe.scheme.upper()
+    plan.reason = REASONS[plan.action].format(role=info.role.value, scheme=scheme, fmt=fmt,
                                               dtype=str(dtype).removeprefix("torch."))
     return plan
 

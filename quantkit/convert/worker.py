@@ -128,6 +128,10 @@ def _transform(
         for out in plan.outputs:
             shard = t.parts[out.name]
             yield out.name, _checked(source, shard, out.name, source.read_physical(out.name, shard))
+    elif recipe.fp4 is not None:
+        from quantkit.convert.fp4 import quantize_fp4_tensor
+
+        yield from quantize_fp4_tensor(source, plan, recipe.fp4).tensors(plan.module).items()
     else:
         packed = calibration.quantized(plan.module) if calibration is not None else None
         if packed is None:

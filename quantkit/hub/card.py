@@ -66,7 +66,7 @@ def render_card(directory: Path, repo_id: str | None = None, base_model: str | N
     source_meta, source_body = _source_readme(directory / SOURCE_README)
     hub = record.get("source", {}).get("hub") or {}
     base = base_model or hub.get("repo_id") or _hub_id(source_meta.get("base_model"))
-    name = repo_id or f"{record.get('source', {}).get('name', directory.name)}-W4A16"
+    name = repo_id or f"{record.get('source', {}).get('name', directory.name)}-{_weight_scheme(config).upper()}"
     # without a repo id the launch lines keep `<MODEL>`: the card must not depend on the output's path
     # (outputs are byte-identical wherever they are written); `push` regenerates it with the repo id
     model_ref = repo_id or "<MODEL>"
@@ -144,7 +144,9 @@ def _front_matter(record: dict[str, Any], config: dict[str, Any], source_meta: d
     for key in ("license", "license_name", "license_link", "language"):
         if source_meta.get(key):
             front[key] = source_meta[key]
-    front["tags"] = ["compressed-tensors", "int4", "w4a16", family, "quantkit"]
+    scheme = _weight_scheme(config)
+    kind = "int4" if scheme == "w4a16" else scheme.removesuffix("a16")
+    front["tags"] = ["compressed-tensors", kind, scheme, family, "quantkit"]
     return front
 
 
@@ -152,8 +154,25 @@ def _front_matter(record: dict[str, Any], config: dict[str, Any], source_meta: d
 def _intro(record: dict[str, Any], base: str | None) -> str:
     of = f"[{base}](https://huggingface.co/{base})" if base else f"`{record.get('source', {}).get('name', '?')}`"
     version = record.get("tool_versions", {}).get("quantkit", "?")
-    return (f"INT4 weight-only (W4A16, group-wise) quantization of {of} in the compressed-tensors "
-            f"`pack-quantized` format, made by quantkit {version}. Loads in SGLang, vLLM and transformers.")
+    what = _SCHEME_TEXT.get(str(record.get("recipe", {}).get("scheme", "w4a16")), _SCHEME_TEXT["w4a16"])
+    return (f"{what[0]} quantization of {of} in the compressed-tensors `{what[1]}` format, made by quantkit "
+            f"{version}. {what[2]}")
+
+
+# scheme -> (what, compressed-tensors format, where it loads); docs/fp4.md for the FP4 rows
+_SCHEME_TEXT = {
+    "w4a16": ("INT4 weight-only (W4A16, group-wise)", "pack-quantized", "Loads in SGLang, vLLM and transformers."),
+    "nvfp4a16": ("NVFP4 weight-only (NVFP4A16: FP4 E2M1, e4m3 scale per 16, fused global scales)",
+                 "nvfp4-pack-quantized", "Loads in SGLang and vLLM (weight-only FP4; see the serving section)."),
+    "mxfp4a16": ("MXFP4 weights (MXFP4A16: FP4 E2M1, E8M0 scale per 32)", "mxfp4-pack-quantized",
+                 "Loads in vLLM (which runs it W4A4 on Blackwell); SGLang 0.5.23 does not load it."),
+}
+
+
+def _weight_scheme(config: dict[str, Any]) -> str:
+    from quantkit.engines import scheme_of_config
+
+    return scheme_of_config(config.get("quantization_config") or {})
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -173,6 +192,7 @@ def _scheme(record: dict[str, Any], config: dict[str, Any]) -> str:
         weights = group.get("weights") or {}
         break
     rows = [
+        ["scheme", _weight_scheme(config).upper()],
         ["bits", f"{weights.get('num_bits', 4)} ({weights.get('type', 'int')})"],
         ["group size", weights.get("group_size", recipe.get("group_size"))],
         ["symmetric", "yes" if weights.get("symmetric", True) else "no"],
@@ -208,8 +228,10 @@ def _sizes(record: dict[str, Any]) -> str:
     src, out = record.get("source", {}), record.get("output", {})
     sb, ob = int(src.get("bytes", 0)), int(out.get("bytes", 0))
     ratio = f"{ob / sb:.1%}" if sb else "?"
+    scheme = str(record.get("recipe", {}).get("scheme", "w4a16"))
+    fmt = "int4 (W4A16)" if scheme == "w4a16" else f"{scheme.removesuffix('a16')} ({scheme.upper()})"
     rows = [["source", src.get("format", "?"), src.get("shards", "?"), _gb(sb)],
-            ["this checkpoint", "int4 (W4A16)", len(out.get("shards", {})), f"{_gb(ob)} ({ratio} of the source)"]]
+            ["this checkpoint", fmt, len(out.get("shards", {})), f"{_gb(ob)} ({ratio} of the source)"]]
     return "## Sizes\n\n" + _table(["", "format", "shards", "bytes"], rows)
 
 

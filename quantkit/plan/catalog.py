@@ -32,6 +32,7 @@ class GPU:
     bandwidth_tbs: float
     bf16_tflops: float
     fp8_tflops: float | None
+    fp4_tflops: float | None = None  # dense FP4 tensor-core peak; set for Blackwell (NVFP4/MXFP4 native)
 
     @property
     def memory_bytes(self) -> int:
@@ -61,6 +62,7 @@ def _parse(data: Any, source: str) -> dict[str, GPU]:
                 bandwidth_tbs=float(entry["bandwidth_tbs"]),
                 bf16_tflops=float(entry["bf16_tflops"]),
                 fp8_tflops=None if entry.get("fp8_tflops") is None else float(entry["fp8_tflops"]),
+                fp4_tflops=None if entry.get("fp4_tflops") is None else float(entry["fp4_tflops"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise QuantkitError(

@@ -50,13 +50,13 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         model: str = typer.Argument(
             ..., help="Bundled name (glm-5.2, kimi-k2.6, ...), config.json, checkpoint or hub repo id."
         ),
-        gpu: str = typer.Option("h200", "--gpu", help="GPU catalog key: h100 h200 b200 h20 a100 l40s."),
+        gpu: str = typer.Option("h200", "--gpu", help="GPU catalog key: h100 h200 b200 b300 gb200 h20 a100 l40s."),
         tp: int = typer.Option(8, "--tp", help="Tensor-parallel size (GPUs)."),
         ep: bool = typer.Option(False, "--ep", help="Expert parallel over the TP group."),
         dp_attention: bool = typer.Option(
             False, "--dp-attention", help="SGLang DP attention (attention replicated)."
         ),
-        weights: str = typer.Option("native", "--weights", help="native | bf16 | fp8 | int4"),
+        weights: str = typer.Option("native", "--weights", help="native | bf16 | fp8 | int4 | nvfp4 | mxfp4"),
         group_size: int = typer.Option(32, "--group-size", help="INT4 group size."),
         kv: str = typer.Option("bf16", "--kv", help="KV-cache dtype: bf16 | fp8"),
         context: int = typer.Option(32768, "--context", help="Tokens per request (prompt + output)."),
@@ -72,7 +72,7 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         shared_indexer: bool = typer.Option(_D.shared_indexer, "--shared-indexer"),
         gpu_file: Path | None = typer.Option(None, "--gpu-file", help="Extra GPU catalog YAML."),
         compare: bool = typer.Option(
-            False, "--compare", help="Table: weights {bf16,fp8,int4} x KV {bf16,fp8}."
+            False, "--compare", help="Table: weights {bf16,fp8,int4} (+nvfp4 on Blackwell) x KV {bf16,fp8}."
         ),
         pd: bool = typer.Option(
             False, "--pd", help="The prefill/decode pair SGLang accepts (with --json: the record)."

@@ -38,7 +38,8 @@ __all__ = [
     "totals_by",
 ]
 
-WEIGHT_PLANS = ("bf16", "fp8", "int4")
+WEIGHT_PLANS = ("bf16", "fp8", "int4", "nvfp4", "mxfp4")  # nvfp4 / mxfp4: A16 routed experts (docs/fp4.md)
+FP4_PLANS = ("nvfp4", "mxfp4")
 FP8_BLOCK = 128
 # Roles whose 2-D `.weight` is never a quantized Linear. FP8 releases keep them BF16 too; the MTP
 # `eh_proj` is a plain nn.Linear in SGLang's and vLLM's draft models, so it stays BF16 as well.
@@ -59,7 +60,8 @@ class PrecisionPlan:
 
     @property
     def label(self) -> str:
-        return f"int4-g{self.group_size}" if self.weights == "int4" else self.weights
+        return f"int4-g{self.group_size}" if self.weights == "int4" else f"{self.weights}a16" \
+            if self.weights in FP4_PLANS else self.weights
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ def native_plan(config: dict[str, Any]) -> PrecisionPlan:
             weights = group.get("weights") or {}
             if weights.get("num_bits") == 4 and weights.get("type") == "int":
                 return PrecisionPlan("int4", int(weights.get("group_size") or 32))
+            if weights.get("num_bits") == 4 and weights.get("type") == "float":
+                return PrecisionPlan("nvfp4" if weights.get("group_size") == 16 else "mxfp4")
     raise QuantkitError(f"config.json: quantization_config {method!r} is not one quantkit can size")
 
 
@@ -111,8 +115,8 @@ def tensor_format(spec: TensorSpec, plan: PrecisionPlan) -> str:
         return "bf16"
     if plan.weights == "fp8":
         return "fp8"
-    if plan.weights == "int4" and spec.role == Role.ROUTED_EXPERT:
-        return "int4"
+    if plan.weights in ("int4", *FP4_PLANS) and spec.role == Role.ROUTED_EXPERT:
+        return plan.weights
     return "bf16"
 
 
@@ -130,6 +134,11 @@ def format_bytes(shape: tuple[int, ...], fmt: str, group_size: int = 32) -> int:
         if cols % group_size:
             raise QuantkitError(f"int4 group {group_size} does not divide input size {cols}")
         return 4 * out * math.ceil(cols / 8) + 2 * out * (cols // group_size) + 16
+    if fmt in FP4_PLANS:  # packed E2M1 + e4m3 per 16 + fp32 global (NVFP4: 4.5 bits) | E8M0 per 32 (4.25 bits)
+        group = 16 if fmt == "nvfp4" else 32
+        if cols % group:
+            raise QuantkitError(f"{fmt} group {group} does not divide input size {cols}")
+        return out * (cols // 2) + out * (cols // group) + (4 if fmt == "nvfp4" else 0)
     raise ValueError(f"unknown format {fmt}")
 
 
@@ -186,6 +195,8 @@ _QUANT_SUFFIXES = (
     ".weight_shape",
     ".weight_zero_point",
     ".weight_g_idx",
+    ".weight_global_scale",  # NVFP4
+    ".input_global_scale",
 )
 
 

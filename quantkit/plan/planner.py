@@ -59,8 +59,8 @@ def resolve_plan(config: dict[str, Any], weights: str, group_size: int) -> Preci
     """`native` -> the release's own plan; otherwise the named one."""
     if weights == "native":
         return native_plan(config)
-    if weights not in ("bf16", "fp8", "int4"):
-        raise QuantkitError(f"--weights {weights!r}: expected native, bf16, fp8 or int4")
+    if weights not in ("bf16", "fp8", "int4", "nvfp4", "mxfp4"):
+        raise QuantkitError(f"--weights {weights!r}: expected native, bf16, fp8, int4, nvfp4 or mxfp4")
     if group_size not in (32, 64, 128):
         raise QuantkitError(f"--group-size {group_size}: SGLang's Marlin kernels take 32, 64 or 128")
     return PrecisionPlan(weights, group_size)
@@ -158,9 +158,6 @@ def plan_one(
 
 
 def plan_compare(source: ModelSource, dep: Deployment, group_size: int = 32) -> list[dict[str, Any]]:
-    """The weights {bf16, fp8, int4} x KV {bf16, fp8} table."""
-    return [
-        plan_one(source, dep, PrecisionPlan(w, group_size), kv)
-        for w in ("bf16", "fp8", "int4")
-        for kv in KV_DTYPES
-    ]
+    """The weights {bf16, fp8, int4} (+ nvfp4 on a GPU with FP4 tensor cores) x KV {bf16, fp8} table."""
+    weights = ("bf16", "fp8", "int4") + (("nvfp4",) if dep.gpu.fp4_tflops else ())
+    return [plan_one(source, dep, PrecisionPlan(w, group_size), kv) for w in weights for kv in KV_DTYPES]

@@ -42,8 +42,11 @@ _DTYPE_FORMAT = {
 
 
 def _format_of(members: list[HeaderTensor]) -> str:
-    names = [m.name for m in members]
-    if any(n.endswith(".weight_packed") for n in names):
+    packed = next((m for m in members if m.name.endswith(".weight_packed")), None)
+    if packed is not None and packed.dtype == "U8":  # FP4: E8M0 (U8) scales are MXFP4, e4m3 ones NVFP4
+        scale = next((m for m in members if m.name.endswith(".weight_scale")), None)
+        return "mxfp4" if scale is not None and scale.dtype == "U8" else "nvfp4"
+    if packed is not None:
         return "int4"
     main = next((m for m in members if m.name.endswith(".weight")), members[0])
     return _DTYPE_FORMAT.get(main.dtype, main.dtype.lower())
@@ -52,7 +55,7 @@ def _format_of(members: list[HeaderTensor]) -> str:
 def _logical_shape(members: list[HeaderTensor]) -> tuple[int, ...]:
     for m in members:
         if m.name.endswith(".weight_packed") and len(m.shape) == 2:
-            return (m.shape[0], m.shape[1] * 8)
+            return (m.shape[0], m.shape[1] * (2 if m.dtype == "U8" else 8))
     main = next((m for m in members if m.name.endswith(".weight")), members[0])
     return main.shape
 

@@ -110,7 +110,8 @@ class StepProfile:
 
 
 def _compute_dtype(fmt: str) -> str:
-    return "fp8" if fmt == "fp8" else "int4" if fmt == "int4" else "bf16"
+    # FP4 (A16) experts are modelled as INT4's weight-only streaming: no FP4 measurement to fit (docs/fp4.md)
+    return "fp8" if fmt == "fp8" else "int4" if fmt in ("int4", "nvfp4", "mxfp4") else "bf16"
 
 
 def _attention_flops_per_pos(text: dict[str, Any], adapter: Adapter) -> float:
@@ -200,7 +201,7 @@ def _kv_read_bytes(p: StepProfile, batch: int, context: int) -> float:
 def _variable_seconds(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit) -> float:
     """Bandwidth and compute time of one step (everything but the fixed costs)."""
     experts = distinct_experts(p.n_experts, p.top_k, batch) * p.moe_layers * p.expert_bytes
-    if p.expert_fmt == "int4":
+    if p.expert_fmt in ("int4", "nvfp4", "mxfp4"):
         experts /= fit.int4_stream_ratio
     read = p.static_bytes + experts + _kv_read_bytes(p, batch, context)
     t = read / (gpu.bandwidth_bytes_s * fit.eff_bandwidth)
@@ -286,8 +287,8 @@ def decode_tok_s(
 def _plan_for(config: dict[str, Any], weights: str) -> PrecisionPlan:
     if weights == "native":
         return native_plan(config)
-    if weights not in ("bf16", "fp8", "int4"):
-        raise QuantkitError(f"weights {weights!r}: expected native, bf16, fp8 or int4")
+    if weights not in ("bf16", "fp8", "int4", "nvfp4", "mxfp4"):
+        raise QuantkitError(f"weights {weights!r}: expected native, bf16, fp8, int4, nvfp4 or mxfp4")
     return PrecisionPlan(weights)
 
 

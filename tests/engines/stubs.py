@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -261,14 +262,14 @@ def _h200_platform(capability: tuple[int, int], total_memory: int) -> object:
     return H200Platform()
 
 
-def install_vllm_stubs(capability: tuple[int, int] = (9, 0), total_memory: int = 141 * 2**30) -> None:
+def install_vllm_stubs(capability: tuple[int, int] | None = None, total_memory: int = 141 * 2**30) -> None:
     """Install every vLLM stub listed in the module docstring (call before importing vLLM modules)."""
     sys.meta_path.insert(0, _AbsentFinder(VLLM_COMPILED + VLLM_ABSENT_PACKAGES))
     _stub_custom_ops()
     _stub_cuda_runtime()
     import vllm.platforms
 
-    vllm.platforms._current_platform = _h200_platform(capability, total_memory)
+    vllm.platforms._current_platform = _h200_platform(capability or H200_CAPABILITY, total_memory)  # type: ignore[arg-type]
     import vllm.model_executor.models.registry as registry
 
     registry._run_in_subprocess = lambda fn: fn()
@@ -280,7 +281,8 @@ def install_vllm_stubs(capability: tuple[int, int] = (9, 0), total_memory: int =
 
 SGLANG_COMPILED = ("sgl_kernel", "tvm_ffi")
 SGLANG_ABSENT_PACKAGES = ("IPython", "aiohttp", "gguf", "pybase64", "sentencepiece", "zmq")
-H200_CAPABILITY = (9, 0)
+# SM 9.0 (H200) unless QUANTKIT_ENGINE_SM says otherwise (e.g. "10.0": the Blackwell answers of scheme selection)
+H200_CAPABILITY = tuple(int(x) for x in os.environ.get("QUANTKIT_ENGINE_SM", "9.0").split("."))[:2]
 H200_MEMORY = (148_000_000_000, 150_754_820_096)  # torch.cuda.mem_get_info: (free, total) of one H200
 
 
