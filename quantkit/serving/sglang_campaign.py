@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import random
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -48,7 +48,7 @@ class CampaignConfig:
     page_size: int = 16
     reuse: Literal["immediate", "staged"] = "immediate"
     fault_rate: float = 0.05
-    pool_pages: int = 24
+    pool_pages: int = 24  # in units of max(page_size, 16) tokens, as are the prompt and output lengths
     max_running: int = 10
     prefixes: int = 4
     max_prefix_pages: int = 3
@@ -102,14 +102,14 @@ class _Engine:
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        ps = cfg.page_size
-        size, staged = cfg.pool_pages * ps, cfg.reuse == "staged"
+        ps, unit = cfg.page_size, _unit(cfg)
+        size, staged = cfg.pool_pages * unit, cfg.reuse == "staged"
         if ps == 1:
             self.alloc = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", None, staged)
         else:
             self.alloc = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", None, staged)
             self.alloc.use_triton_kernels = False
-        max_ctx = (cfg.max_prefix_pages + cfg.max_suffix_pages + 12) * ps + 8
+        max_ctx = (cfg.max_prefix_pages + cfg.max_suffix_pages + 12) * unit + 8
         self.pool = ReqToTokenPool(cfg.max_running + 4, max_ctx, "cpu", False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.pool, token_to_kv_pool_allocator=self.alloc,
                                  page_size=ps, tree_components=(ComponentType.FULL,))  # fmt: skip
@@ -149,8 +149,8 @@ class _Campaign:
         self.cfg, self.rng = cfg, random.Random(cfg.seed)
         self.e = _Engine(cfg)
         self.res = CampaignResult(sglang_version=version, page_size=cfg.page_size, reuse=cfg.reuse)
-        ps = cfg.page_size
-        self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, cfg.max_prefix_pages) * ps)]
+        unit = _unit(cfg)
+        self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, cfg.max_prefix_pages) * unit)]
                          for _ in range(cfg.prefixes)]  # fmt: skip
         self.waiting: list[Req] = []
         self.running: Any = None  # ScheduleBatch
@@ -177,11 +177,11 @@ class _Campaign:
         return req
 
     def _new_request(self) -> Req:
-        cfg, rng = self.cfg, self.rng
+        cfg, rng, unit = self.cfg, self.rng, _unit(self.cfg)
         prompt = list(rng.choice(self.prefixes)) if rng.random() < 0.8 else []
-        prompt += [rng.randrange(VOCAB) for _ in range(rng.randint(1, cfg.max_suffix_pages * cfg.page_size))]
+        prompt += [rng.randrange(VOCAB) for _ in range(rng.randint(1, cfg.max_suffix_pages * unit))]
         long = rng.random() < 0.35
-        return self.request(prompt, rng.randint(2, 12 * cfg.page_size if long else 2 * cfg.page_size))
+        return self.request(prompt, rng.randint(2, 12 * unit if long else 2 * unit))
 
     def _admit(self) -> list[Req]:
         cfg = self.cfg
@@ -195,7 +195,8 @@ class _Campaign:
         while self.waiting and running + len(new) < cfg.max_running and self.e.pool.available_size() > len(new):
             req = self.waiting[0]
             req.init_next_round_input(self.e.tree)
-            need = len(req.full_untruncated_fill_ids) - req.prefix_len + 2 * ps  # alloc_extend's page over-estimate
+            # the extension, alloc_extend's page over-estimate, and the matched prefix leaving the evictable set
+            need = len(req.full_untruncated_fill_ids) + 2 * ps
             if need > budget:
                 break
             budget -= need
@@ -281,7 +282,8 @@ class _Campaign:
         j = rng.choice(list(span))
         page = pages[j]
         if kind == "wrong_page_in_row":
-            other = rng.choice([p for p in range(1, self.cfg.pool_pages + 1) if p != page])
+            num_pages = self.e.alloc.size // ps
+            other = rng.choice([p for p in range(1, num_pages + 1) if p != page])
             row = req.kv.req_pool_idx
             self.e.pool.req_to_token[row, j * ps : (j + 1) * ps] = other * ps + torch.arange(ps, dtype=torch.int32)
         else:
@@ -330,14 +332,37 @@ class _Campaign:
         self._finish()
 
 
+def _unit(cfg: CampaignConfig) -> int:
+    """Tokens per workload "page": the page size, at least 16 (so page size 1 sees the same token lengths)."""
+    return max(cfg.page_size, 16)
+
+
 def _spec_none() -> Any:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     return SpeculativeAlgorithm.NONE
 
 
-def run_campaign(cfg: CampaignConfig, version: str) -> CampaignResult:
-    """Run ``cfg.steps`` decode steps (SGLang must be loaded and the plugin registered: :func:`load_plugin`)."""
+def run_campaign(cfg: CampaignConfig, version: str, episode: int = 1000) -> CampaignResult:
+    """Run ``cfg.steps`` decode steps in episodes of ``episode`` steps, each on fresh SGLang objects (a restart:
+    pages lost to detected corruption, e.g. a stale radix node's, do not pile up). SGLang must be loaded and the
+    plugin registered (:func:`load_plugin`)."""
+    total = CampaignResult(sglang_version=version, page_size=cfg.page_size, reuse=cfg.reuse)
+    done, n = 0, 0
+    while done < cfg.steps:
+        steps = min(episode, cfg.steps - done)
+        res = _episode(replace(cfg, steps=steps, seed=cfg.seed * 1_000_003 + n), version)
+        for key in ("steps", "injected", "detected", "false_positives", "wrong_data_served", "prefill_exposed",
+                    "check_aborts", "finished", "retracted", "client_aborts"):
+            setattr(total, key, getattr(total, key) + getattr(res, key))
+        for kind in FAULT_KINDS:
+            for key in ("injected", "detected"):
+                total.by_kind[kind][key] += res.by_kind[kind][key]
+        done, n = done + steps, n + 1
+    return total
+
+
+def _episode(cfg: CampaignConfig, version: str) -> CampaignResult:
     campaign = _Campaign(cfg, version)
     guard = 0
     while campaign.res.steps < cfg.steps:

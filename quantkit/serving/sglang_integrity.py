@@ -112,6 +112,7 @@ class _PoolTracker(TagTracker):
             self.table.tags.fill_(start)
         self.tree_tags = torch.full((num_pages,), -1, dtype=torch.int64, device=self.device)
         self.tree_keys = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
+        self.handed_twice: set[int] = set()  # pages given to two holders at once: the first abort frees them
 
     def freed(self, pages: torch.Tensor) -> None:
         self.table.bump(pages)
@@ -262,6 +263,7 @@ def _fresh_tags(tracker: _PoolTracker, pages: torch.Tensor, fresh: torch.Tensor)
     if sel.numel() > 1 and torch.unique(sel).numel() != sel.numel():
         dup = torch.zeros_like(fresh)
         dup[fresh] = (_occurrence_rank(sel) > 0) | (_occurrence_rank(sel.flip(0)).flip(0) > 0)
+        tracker.handed_twice.update(pages[dup].tolist())
         return torch.where(dup, torch.full_like(live, NEVER), live)
     return live
 
@@ -355,11 +357,17 @@ def agree_flags(flags: torch.Tensor, group: Any) -> torch.Tensor:
     """MAX all-reduce of per-request abort flags over a (gloo) group; unchanged without a group or alone."""
     import torch.distributed as dist
 
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not _multi_rank(group):
         return flags
     flags = flags.to(torch.int32).cpu().contiguous()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags
+
+
+def _multi_rank(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def _tp_group(batch: SGLangObject) -> Any:
@@ -379,11 +387,11 @@ def screen_batch(batch: SGLangObject) -> list[int]:
     rows = [int(r) for r in batch.req_pool_indices_cpu.tolist()]
     ps = tracker.page_size
     result = tracker.check(DecodeBatch(rows, rows, batch.req_to_token_pool.req_to_token, ps, ps))
-    flags = torch.zeros(len(rows), dtype=torch.int32)
+    group = _tp_group(batch)
+    if result.clean and not _multi_rank(group):
+        return []
     bad_rows = set(result.abort)
-    for i, row in enumerate(rows):
-        flags[i] = row in bad_rows
-    flags = agree_flags(flags, _tp_group(batch))
+    flags = agree_flags(torch.tensor([row in bad_rows for row in rows], dtype=torch.int32), group)
     if not bool(flags.any()):
         return []
     aborted = [i for i, f in enumerate(flags.tolist()) if f]
@@ -436,7 +444,11 @@ def _abort(batch: SGLangObject, req: SGLangObject, row: int, tracker: _PoolTrack
     scheduler = _SCHEDULER.get()
     if scheduler is not None:
         scheduler.output_streamer.stream_output([req], req.return_logprob)
-    _STATE.skip = bad_pages  # someone else's now (or already free): never free them again
+    # someone else's now (or already free): never free them again -- except a page handed to two holders at once,
+    # which is on no free list: the first of its holders to be aborted gives it back
+    back = [p for p in set(bad_pages.tolist()) if p in tracker.handed_twice]
+    tracker.handed_twice.difference_update(back)
+    _STATE.skip = bad_pages[~torch.isin(bad_pages, torch.tensor(back, dtype=torch.int64))]
     try:
         release_kv_cache(req, batch.tree_cache, checkpoint=False)
     finally:
