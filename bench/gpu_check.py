@@ -12,6 +12,9 @@ with pass/fail against the issue's targets. Sections:
                 HBM roofline, CUDA GEMV vs Triton, FP8 KV-cache quantization (quantkit.kernels.bench)
     integrity   the pre-decode integrity check as a share of a decode step, batch 1..64
                 (quantkit.serving.bench)
+    sglang_plugin  the SGLang plugin's device work per decode step on cuda (record the step's new pages
+                + the batched check, quantkit.serving.sglang_integrity), batch 1..256, context 8K..128K,
+                as a share of the planner's decode step
     gptq_tiny   the tiny trained model calibrated on cuda and on the CPU, KL of each vs the source
     gptq_layer  one real-size GLM-5.2 MoE layer (256 experts, generated on the GPU from a seed) through
                 quantkit's expert statistics and GPTQ solver on cuda: seconds, peak memory, projection
@@ -52,6 +55,7 @@ SECTIONS: dict[str, str] = {  # file stem -> title, in the order the summary lis
     "tests": "Kernel and serving tests on the GPU",
     "kernels": "Kernels at real shapes (TP8)",
     "integrity": "Integrity check vs a decode step",
+    "sglang_plugin": "SGLang integrity plugin per decode step (cuda)",
     "gptq_tiny": "GPTQ on cuda: tiny trained model vs the CPU run",
     "gptq_layer": "GPTQ on cuda: one real-size GLM-5.2 MoE layer",
     "rtn": "RTN on cuda: the real-size layer",
@@ -375,6 +379,53 @@ def section_integrity(ctx: Context, rep: Report) -> None:
                 ctx.check_budget(margin=5)
 
 
+def section_sglang_plugin(ctx: Context, rep: Report) -> None:
+    """The plugin's per-step device work on cuda: `_after_alloc_for_decode`'s record (live-tag lookup + one
+    scatter into the ledger, for the requests whose decode token opens a page) plus the check, timed together
+    per decode step; SGLang itself is not needed (the hooks' bodies run on quantkit's tracker)."""
+    import statistics
+
+    import torch
+
+    from quantkit.serving.bench import _build, decode_step
+    from quantkit.serving.sglang_integrity import _fresh_tags
+
+    device = torch_device(ctx)
+    rep.device = device_name(device)
+    if ctx.smoke:
+        batches, contexts, pages, repeats = (1, 2), (256,), (16, 1), 1
+    else:
+        batches, contexts, pages, repeats = (1, 16, 64, 256), (8192, 32768, 131072), (64, 1), 5
+    rep.figures["rows"] = []
+    for page in pages:
+        for context in contexts:
+            for batch in batches:
+                if page == 1 and batch * context > 2_000_000:
+                    continue
+                tracker, dbatch = _build(batch, context, page, device)
+                new_pages = torch.randint(0, tracker.table.num_pages, (batch,), device=device)
+                fresh = torch.ones(batch, dtype=torch.bool, device=device)
+                scratch = torch.empty(batch, dtype=torch.int64, device=device)
+                samples = []
+                for _ in range(repeats + 1):
+                    _sync(device)
+                    t = time.perf_counter()
+                    tags = _fresh_tags(tracker, new_pages, fresh)  # type: ignore[arg-type]
+                    scratch.copy_(tags)  # the ledger scatter's device traffic
+                    assert tracker.check(dbatch).clean
+                    _sync(device)
+                    samples.append(time.perf_counter() - t)
+                us = statistics.median(samples[1:]) * 1e6
+                row = {"page_size": page, "batch": batch, "context": context, "step_us": us}
+                for model in REAL_MODELS:
+                    seconds, source = decode_step(model, batch, context)
+                    row[f"pct_{model}"] = 100 * us / 1e6 / seconds
+                    row["step_source"] = source
+                rep.figures["rows"].append(row)
+                rep.save()
+                ctx.check_budget(margin=5)
+
+
 # ---------------------------------------------------------------------------------------- GPTQ tiny
 def _smoke_source(work: Path) -> Path:
     """A random-weight deepseek_v3 checkpoint (quantkit.synth) with the tiny models' BPE tokenizer."""
@@ -645,6 +696,7 @@ def section_rtn(ctx: Context, rep: Report) -> None:
 # --------------------------------------------------------------------------------------- driver
 RUNNERS: dict[str, Callable[[Context, Report], None]] = {
     "tests": section_tests, "kernels": section_kernels, "integrity": section_integrity,
+    "sglang_plugin": section_sglang_plugin,
     "gptq_tiny": section_gptq_tiny, "gptq_layer": section_gptq_layer, "rtn": section_rtn,
 }
 

@@ -23,6 +23,7 @@ import time
 from quantkit.serving import sglang_integrity as plugin
 from quantkit.serving.sglang_campaign import CampaignConfig, _Campaign, load_plugin
 from quantkit.serving.sglang_env import load_sglang
+from quantkit.serving.sglang_integrity_check import screen_batch
 
 MAX_TOKENS_PAGE1 = 2_000_000
 
@@ -77,7 +78,7 @@ def _stepper(running: object) -> object:
 
 
 def _checker(running: object) -> object:
-    return lambda: plugin.screen_batch(running)
+    return lambda: screen_batch(running)
 
 
 def measure(page_size: int, batch: int, context: int, repeats: int, version: str) -> dict:

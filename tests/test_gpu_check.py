@@ -16,8 +16,8 @@ import pytest
 from quantkit.kernels import bench
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("tests", "kernels", "integrity", "gptq_tiny", "gptq_layer", "rtn")
-TORCH_ONLY = ("kernels", "integrity", "gptq_layer", "rtn")  # need nothing but torch: must run
+SECTIONS = ("tests", "kernels", "integrity", "sglang_plugin", "gptq_tiny", "gptq_layer", "rtn")
+TORCH_ONLY = ("kernels", "integrity", "sglang_plugin", "gptq_layer", "rtn")  # need nothing but torch: must run
 
 
 @pytest.fixture()
