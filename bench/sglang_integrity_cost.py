@@ -1,6 +1,6 @@
 """Cost of the KV integrity plugin per decode step, against SGLang's own step bookkeeping, on the CPU.
 
-    OMP_NUM_THREADS=2 python bench/sglang_integrity_cost.py [--batches 1,16,64,256] [--contexts 8192,32768,131072]
+    OMP_NUM_THREADS=1 python bench/sglang_integrity_cost.py [--batches 1,16,64,256] [--contexts 8192,32768,131072]
         [--page-sizes 64,1] [--repeats 10] [--json]
 
 For each (page size, batch, context): SGLang 0.5.23's allocator, ReqToTokenPool and UnifiedRadixCache (loaded as
@@ -8,8 +8,10 @@ for ``quantkit simulate integrity --engine sglang``), ``batch`` requests of ``co
 through ``ScheduleBatch.prepare_for_extend``; then ``repeats`` decode steps of ``ScheduleBatch.prepare_for_decode``
 (SGLang's step bookkeeping: ``alloc_for_decode``, the row write, sequence lengths) are timed twice, once with the
 plugin's tracker on the allocator (record + batched check + the hook wrappers) and once without (the hooks find no
-tracker and return). Also timed alone: the check (``screen_batch``) on the clean batch. Median per step.
-Page size 1 stops at batch x context = 2M tokens (a node's KV pool is ~1.2-1.4M tokens).
+tracker and return). Also timed alone: the check (``screen_batch``) on the clean batch. Median CPU time per step
+(process CPU time; run with ``OMP_NUM_THREADS=1``: torch on one thread, so CPU time is the step's work).
+Configurations beyond ``--max-tokens`` (batch x context; default 4M, 1M at page size 1) are skipped: a node's
+KV pool holds ~1.2-1.4M tokens, so those batches cannot be resident at once.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from quantkit.serving import sglang_integrity as plugin
 from quantkit.serving.sglang_campaign import CampaignConfig, _Campaign, load_plugin
 from quantkit.serving.sglang_env import load_sglang
 from quantkit.serving.sglang_integrity_check import screen_batch
-
-MAX_TOKENS_PAGE1 = 2_000_000
 
 
 def _ints(text: str) -> list[int]:
@@ -60,11 +60,13 @@ def _engine(page_size: int, batch: int, context: int, repeats: int, guarded: boo
 
 
 def _time(fn: object, repeats: int) -> float:
+    """Median CPU time of one call in µs: process CPU time, not wall, so that a shared machine's descheduling
+    (time slices of other processes, ~10-30 ms each) does not land in the figure; torch runs one thread."""
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        samples.append(time.perf_counter() - t0)
+        samples.append(time.process_time() - t0)
     return statistics.median(samples) * 1e6
 
 
@@ -105,7 +107,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--page-sizes", default="64,1")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--max-tokens", type=int, default=4_000_000, help="largest batch x context (page size 1: 1/4)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     version = load_sglang()
@@ -114,7 +117,7 @@ def main() -> None:
     for ps in _ints(args.page_sizes):
         for ctx in _ints(args.contexts):
             for b in _ints(args.batches):
-                if ps == 1 and b * ctx > MAX_TOKENS_PAGE1:
+                if b * ctx > (args.max_tokens if ps > 1 else args.max_tokens // 4):
                     continue
                 rows.append(measure(ps, b, ctx, args.repeats, version))
                 if not args.json:
