@@ -128,3 +128,26 @@ def test_campaign_longer(tmp_path: Path):
         if r.get("control"):
             continue
         assert r["detected"] == r["injected"] > 0 and r["false_positives"] == 0 and r["wrong_data_served"] == 0, r
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return subprocess.run([sys.executable, "-m", "quantkit", "simulate", "integrity", "--engine", "sglang", *args],
+                          capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+
+
+def test_cli_engine_sglang_prints_the_promised_figures():
+    proc = _cli("--page-size", "16", "--steps", "60", "--fault-rate", "0.3", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sglang_version"] == "0.5.23" and result["steps"] == 60
+    assert result["injected"] > 0 and result["detected"] == result["injected"] and result["false_positives"] == 0
+    assert set(result["by_kind"]) == set(FAULT_KINDS)
+    assert [(r["page_size"], r["reuse"]) for r in result["runs"]] == [(16, "immediate"), (16, "staged")]
+
+
+def test_cli_engine_sglang_without_a_source_tree_is_a_one_line_error(tmp_path: Path):
+    proc = _cli("--sglang-src", str(tmp_path), "--steps", "1")
+    assert proc.returncode == 2
+    assert str(tmp_path) in proc.stderr and "Traceback" not in proc.stderr
