@@ -12,6 +12,10 @@ with pass/fail against the issue's targets. Sections:
                 HBM roofline, CUDA GEMV vs Triton, FP8 KV-cache quantization (quantkit.kernels.bench)
     integrity   the pre-decode integrity check as a share of a decode step, batch 1..64
                 (quantkit.serving.bench)
+    sglang_plugin  quantkit's SGLang plugins on cuda: the integrity plugin's device work per decode step
+                (record the step's new pages + the batched check, quantkit.serving.sglang_integrity), batch
+                1..256, context 8K..128K, as a share of the planner's decode step; and the PD plugin's
+                BF16 -> FP8 MLA page conversion per page (quantkit.serving.sglang_pd, bench/pd_kv_pages.py)
     gptq_tiny   the tiny trained model calibrated on cuda and on the CPU, KL of each vs the source
     gptq_layer  one real-size GLM-5.2 MoE layer (256 experts, generated on the GPU from a seed) through
                 quantkit's expert statistics and GPTQ solver on cuda: seconds, peak memory, projection
@@ -52,10 +56,10 @@ SECTIONS: dict[str, str] = {  # file stem -> title, in the order the summary lis
     "tests": "Kernel and serving tests on the GPU",
     "kernels": "Kernels at real shapes (TP8)",
     "integrity": "Integrity check vs a decode step",
+    "sglang_plugin": "SGLang plugins: integrity per decode step, PD page conversion per page (cuda)",
     "gptq_tiny": "GPTQ on cuda: tiny trained model vs the CPU run",
     "gptq_layer": "GPTQ on cuda: one real-size GLM-5.2 MoE layer",
     "rtn": "RTN on cuda: the real-size layer",
-    "pd_pages": "PD plugin: BF16 -> FP8 MLA page conversion, cost per page",
 }
 REAL_MODELS = ("glm-5.2", "kimi-k2.6")
 LAYER_MODEL = "glm-5.2"
@@ -376,18 +380,66 @@ def section_integrity(ctx: Context, rep: Report) -> None:
                 ctx.check_budget(margin=5)
 
 
-def section_pd_pages(ctx: Context, rep: Report) -> None:
-    """Issue 19: `sglang_pd.mla_pages_to_fp8` per page at page sizes 1 and 64 (bench/pd_kv_pages.py)."""
-    device = torch_device(ctx)
-    rep.device = device_name(device)
+def _pd_pages(ctx: Context, rep: Report, device_type: str) -> None:
+    """Issue 19: `sglang_pd.mla_pages_to_fp8` per page at page sizes 1 and 64 (bench/pd_kv_pages.py), into
+    `figures["pd_rows"]` of the sglang_plugin section ($OUT holds at most 8 files: one section for both plugins)."""
     from pd_kv_pages import measure
 
     sizes = ((1, 64), (64, 4)) if ctx.smoke else ((1, 65536), (64, 4096))
-    rep.figures["rows"] = []
+    rep.figures["pd_rows"] = []
     for page, pages in sizes:
-        rep.figures["rows"].append(measure(page, pages, device.type))
+        rep.figures["pd_rows"].append(measure(page, pages, device_type))
         rep.save()
         ctx.check_budget(margin=2)
+
+
+def section_sglang_plugin(ctx: Context, rep: Report) -> None:
+    """The PD plugin's page conversion per page (first: 15 s), then the integrity plugin's per-step device work
+    on cuda: `_after_alloc_for_decode`'s record (live-tag lookup + one scatter into the ledger, for the requests
+    whose decode token opens a page) plus the check, timed together per decode step; SGLang itself is not
+    needed (the hooks' bodies run on quantkit's tracker)."""
+    import statistics
+
+    import torch
+
+    from quantkit.serving.bench import _build, decode_step
+    from quantkit.serving.sglang_integrity import _fresh_tags
+
+    device = torch_device(ctx)
+    rep.device = device_name(device)
+    _pd_pages(ctx, rep, device.type)
+    if ctx.smoke:
+        batches, contexts, pages, repeats = (1, 2), (256,), (16, 1), 1
+    else:
+        batches, contexts, pages, repeats = (1, 16, 64, 256), (8192, 32768, 131072), (64, 1), 5
+    rep.figures["rows"] = []
+    for page in pages:
+        for context in contexts:
+            for batch in batches:
+                if page == 1 and batch * context > 2_000_000:
+                    continue
+                tracker, dbatch = _build(batch, context, page, device)
+                new_pages = torch.randint(0, tracker.table.num_pages, (batch,), device=device)
+                fresh = torch.ones(batch, dtype=torch.bool, device=device)
+                scratch = torch.empty(batch, dtype=torch.int64, device=device)
+                samples = []
+                for _ in range(repeats + 1):
+                    _sync(device)
+                    t = time.perf_counter()
+                    tags = _fresh_tags(tracker, new_pages, fresh)  # type: ignore[arg-type]
+                    scratch.copy_(tags)  # the ledger scatter's device traffic
+                    assert tracker.check(dbatch).clean
+                    _sync(device)
+                    samples.append(time.perf_counter() - t)
+                us = statistics.median(samples[1:]) * 1e6
+                row = {"page_size": page, "batch": batch, "context": context, "step_us": us}
+                for model in REAL_MODELS:
+                    seconds, source = decode_step(model, batch, context)
+                    row[f"pct_{model}"] = 100 * us / 1e6 / seconds
+                    row["step_source"] = source
+                rep.figures["rows"].append(row)
+                rep.save()
+                ctx.check_budget(margin=5)
 
 
 # ---------------------------------------------------------------------------------------- GPTQ tiny
@@ -660,8 +712,8 @@ def section_rtn(ctx: Context, rep: Report) -> None:
 # --------------------------------------------------------------------------------------- driver
 RUNNERS: dict[str, Callable[[Context, Report], None]] = {
     "tests": section_tests, "kernels": section_kernels, "integrity": section_integrity,
+    "sglang_plugin": section_sglang_plugin,
     "gptq_tiny": section_gptq_tiny, "gptq_layer": section_gptq_layer, "rtn": section_rtn,
-    "pd_pages": section_pd_pages,
 }
 
 

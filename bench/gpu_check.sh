@@ -60,16 +60,16 @@ trap cleanup EXIT
 if [ "$smoke" = 1 ]; then
   flag=(--smoke)
   # CPU: the same sections at tiny sizes; the caps only stop a hang
-  declare -A budget=([integrity]=120 [gptq_layer]=120 [rtn]=120 [kernels]=180 [tests]=180 [gptq_tiny]=240
-                     [pd_pages]=60)
+  declare -A budget=([integrity]=120 [sglang_plugin]=120 [gptq_layer]=120 [rtn]=120 [kernels]=180 [tests]=180
+                     [gptq_tiny]=240)
 else
   flag=()
-  # seconds per section on the H200; together 465 s, plus the summary
-  declare -A budget=([integrity]=30 [gptq_layer]=105 [rtn]=20 [kernels]=150 [tests]=75 [gptq_tiny]=70
-                     [pd_pages]=15)  # pd_pages: issue 19's page conversion
+  # seconds per section on the H200; together 495 s, plus the summary
+  declare -A budget=([integrity]=30 [sglang_plugin]=45 [gptq_layer]=105 [rtn]=20 [kernels]=150 [tests]=75
+                     [gptq_tiny]=70)  # sglang_plugin: the integrity plugin (30 s) + the PD page conversion (15 s)
 fi
 # GPU-only sections first; the tests and the tiny model last, when their background preparation is done
-order=(integrity gptq_layer rtn pd_pages kernels tests gptq_tiny)
+order=(integrity sglang_plugin gptq_layer rtn kernels tests gptq_tiny)
 # GPU_CHECK_BOXES="kernels=200,tests=60" overrides time boxes (seconds), e.g. for a rerun of a few sections
 for kv in ${GPU_CHECK_BOXES:+${GPU_CHECK_BOXES//,/ }}; do
   if [ -z "${budget[${kv%%=*}]:-}" ] || ! [[ "${kv#*=}" =~ ^[0-9]+$ ]]; then

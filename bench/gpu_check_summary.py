@@ -217,6 +217,17 @@ def integrity_table(integrity: Section) -> list[str]:
     return lines
 
 
+def sglang_plugin_table(sec: Section) -> list[str]:
+    rows = sec["figures"].get("rows", [])
+    lines = ["Record + check per decode step on cuda (target < 0.3% of a decode step).", "",
+             "| page | batch | context | us | % of glm-5.2 step | % of kimi-k2.6 step |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['page_size']} | {r['batch']} | {r['context']} | {r['step_us']:.1f} | "
+                     f"{r['pct_glm-5.2']:.3f} | {r['pct_kimi-k2.6']:.3f} |")
+    return lines
+
+
 def gptq_tiny_table(tiny: Section) -> list[str]:
     f = tiny["figures"]
     lines = [f"Model {f.get('model')}, {f.get('samples')} x {f.get('seq_len')} calibration tokens, group "
@@ -294,7 +305,8 @@ def write_summary(out: Path, smoke: bool) -> Path:
             continue
         reason = sec.get("skip_reason") or sec.get("error") or "; ".join(sec.get("notes", []))[:300]
         lines.append(f"| {SECTIONS[name]} | {sec['status']} | {_f(sec.get('seconds'))} | {reason.replace('|', '/')} |")
-    blocks = (("kernels", kernel_tables), ("integrity", integrity_table), ("gptq_tiny", gptq_tiny_table),
+    blocks = (("kernels", kernel_tables), ("integrity", integrity_table), ("sglang_plugin", sglang_plugin_table),
+              ("gptq_tiny", gptq_tiny_table),
               ("gptq_layer", gptq_layer_lines), ("rtn", rtn_lines))
     for name, render in blocks:
         lines += ["", f"## {SECTIONS[name]}", ""]

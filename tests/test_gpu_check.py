@@ -16,8 +16,8 @@ import pytest
 from quantkit.kernels import bench
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("tests", "kernels", "integrity", "gptq_tiny", "gptq_layer", "rtn", "pd_pages")
-TORCH_ONLY = ("kernels", "integrity", "gptq_layer", "rtn")  # need nothing but torch: must run
+SECTIONS = ("tests", "kernels", "integrity", "sglang_plugin", "gptq_tiny", "gptq_layer", "rtn")
+TORCH_ONLY = ("kernels", "integrity", "sglang_plugin", "gptq_layer", "rtn")  # need nothing but torch: must run
 
 
 @pytest.fixture()
@@ -74,7 +74,7 @@ def test_smoke_sections_measure_through_the_real_code(smoke) -> None:
     assert layer["solver"]["gptq_better_than_rtn"] > 0.5  # the solver, not RTN, produced these codes
     assert layer["projection"]["label"].startswith("PROJECTION")
     assert s["rtn"]["figures"]["codes_and_scales_identical_to_cpu"] == 1.0
-    pd_rows = s["pd_pages"]["figures"]["rows"]  # issue 19: the PD plugin's page conversion, per page
+    pd_rows = s["sglang_plugin"]["figures"]["pd_rows"]  # issue 19: the PD plugin's page conversion, per page
     assert [r["page_size"] for r in pd_rows] == [1, 64] and all(r["us_per_page"] > 0 for r in pd_rows)
     assert s["rtn"]["figures"]["throughput"]["matrices"] == 24
     if s["gptq_tiny"]["status"] == "ok":

@@ -13,7 +13,6 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from quantkit.serving.sglang_adapter import SGLangIntegrityHooks  # noqa: E402
 from quantkit.serving.tracker import (  # noqa: E402
     DecodeBatch,
     IntegrityConfig,
@@ -176,50 +175,6 @@ def test_config_selects_the_tracker():
     assert isinstance(make_tracker(IntegrityConfig(tracker="tags"), 4), TagTracker)
     with pytest.raises(ValueError, match="unknown tracker"):
         make_tracker(IntegrityConfig(tracker="bogus"), 4)  # type: ignore[arg-type]
-
-
-class _SlotAllocator:
-    """A minimal paged slot allocator with SGLang's alloc/free shape (a real one, for the adapter test)."""
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.page_size = page_size
-        self.free_pages = list(range(num_pages))
-        self.freed: list[int] = []
-
-    def alloc_pages(self, n: int) -> torch.Tensor:
-        pages = torch.tensor([self.free_pages.pop(0) for _ in range(n)])
-        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-
-    def free(self, free_index: torch.Tensor) -> None:
-        pages = torch.unique(free_index // self.page_size).tolist()
-        self.freed += pages
-        self.free_pages = pages + self.free_pages
-
-
-def test_sglang_adapter_catches_a_page_freed_under_a_request():
-    page_size = 4
-    req_to_token = torch.zeros(4, 32, dtype=torch.int32)
-    hooks = SGLangIntegrityHooks(TagTracker(8), req_to_token, page_size)
-    allocator = hooks.wrap_allocator(_SlotAllocator(8, page_size))
-    slots = allocator.alloc_pages(2)
-    req_to_token[0, : slots.numel()] = slots.to(torch.int32)
-    hooks.after_alloc(0, slots)
-    tags = hooks.tags_for_insert(0, 0, 1)  # the radix cache keeps page 0's tag
-    prefix = req_to_token[0, :page_size].clone()
-    req_to_token[1, :page_size] = prefix
-    hooks.after_prefix_match(1, prefix, tags)
-    assert hooks.pre_decode([0, 1]).clean
-    allocator.free(slots[:page_size])  # e.g. an eviction that ignored the lock ref
-    assert allocator.freed == [int(slots[0]) // page_size]
-    assert hooks.pre_decode([0, 1]).abort == [0, 1]
-    hooks.on_release(0)
-    assert hooks.pre_decode([0]).clean  # released rows are no longer checked
-
-
-def test_sglang_adapter_with_noop_tracker_is_inert():
-    hooks = SGLangIntegrityHooks(NoOpTracker(), torch.zeros(1, 4, dtype=torch.int32), 1)
-    assert hooks.after_alloc(0, torch.tensor([1])) is None
-    assert hooks.pre_decode([0]).clean
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -35,10 +35,21 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         fault_rate: float = typer.Option(0.02, help="Probability of injecting one fault per step."),
         tracker: str = typer.Option("tags", help="tags | noop"),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+        engine: str = typer.Option("model", help="model (the built-in model) | sglang (SGLang's own code)"),
+        page_size: str = typer.Option("1,16,64", help="--engine sglang: KV page sizes (steps split evenly)."),
+        sglang_src: str = typer.Option("", help="--engine sglang: SGLang source tree (default: installed "
+                                                "sglang, else $QUANTKIT_SGLANG_SRC or .cache/engines/src/sglang)."),
     ) -> None:
         """Paged KV pool + prefix sharing + eviction + preemption with injected page-reuse faults."""
         from quantkit.serving.simulator import SimConfig, simulate
 
+        if engine == "sglang":
+            from quantkit.serving.sglang_commands import simulate_sglang
+
+            simulate_sglang(steps, seed, fault_rate, _ints(page_size, "page-size"), sglang_src or None, as_json)
+            return
+        if engine != "model":
+            raise QuantkitError(f"--engine must be 'model' or 'sglang', got {engine!r}")
         if tracker not in ("tags", "noop"):
             raise QuantkitError(f"--tracker must be 'tags' or 'noop', got {tracker!r}")
         if steps <= 0 or not 0.0 <= fault_rate <= 1.0:

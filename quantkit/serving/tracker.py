@@ -1,6 +1,6 @@
 """KV-page integrity trackers: the tag tracker and a no-op tracker with the same interface.
 
-The serving engine calls five hooks (see ``sglang_adapter.py`` for where they go in SGLang):
+The serving engine calls these hooks (``sglang_integrity.py`` is the SGLang plugin that drives them):
 
 - ``on_alloc(rid, pages)``   pages newly allocated to a request: bump their tags, record the new ones
   (``on_alloc_many(rids, pages)``: one page per request, a decode step's allocation in one call);
