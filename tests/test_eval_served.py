@@ -70,8 +70,11 @@ def test_bootstrap_ci_is_seeded_and_covers_the_mean() -> None:
 
 def test_verdict_threshold_in_points() -> None:
     base = [1.0] * 100
-    cand = [1.0] * 99 + [0.0]  # -1 point
-    assert compare("acc", cand, base, threshold=0.8).verdict == "fail"
+    cand = [1.0] * 99 + [0.0]  # -1 point, one item: below the bar but within noise
+    assert compare("acc", cand, base, threshold=0.8).verdict == "inconclusive"
+    many = [1.0] * 90 + [0.0] * 10  # -10 points over many items: a real regression
+    assert compare("acc", many, base, threshold=0.8).verdict == "fail"
+    assert compare("acc", many, base, threshold=12).verdict == "pass"
     assert compare("acc", cand, base, threshold=1.5).verdict == "pass"
     assert compare("acc", cand, base, threshold=0.8, gate=False).verdict == "pass"
     c = compare("acc", cand, base, threshold=0.8)

@@ -94,6 +94,7 @@ def eval_cmd(
     api: Annotated[str, typer.Option("--api", help="kl: openai (/v1/completions echo) | sglang (/generate)")] = (
         "openai"),
     tool_choice: Annotated[str, typer.Option("--tool-choice", help="toolcall: auto | required")] = "auto",
+    tool_max_tokens: Annotated[int, typer.Option("--tool-max-tokens", help="toolcall: max_tokens")] = 1024,
     max_length: Annotated[int, typer.Option("--max-length", help="lm-eval: context + generation tokens")] = 32768,
     max_gen_toks: Annotated[int, typer.Option("--max-gen-toks", help="lm-eval: generation limit")] = 16384,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="lm-eval: tokenizer (default: the "

@@ -136,8 +136,9 @@ def tiny_config(arch: str) -> Any:
                 "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group",
                 "routed_scaling_factor", "max_position_embeddings", "tie_word_embeddings", "eos_token_id",
                 "pad_token_id", "bos_token_id")
-        return AutoConfig.for_model("glm4_moe", num_hidden_layers=4, num_key_value_heads=2, first_k_dense_replace=1,
-                                    num_mtp_layers=0, **{k: common[k] for k in keep})
+        return AutoConfig.for_model("glm4_moe", num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+                                    use_qk_norm=True, attention_bias=True, first_k_dense_replace=1, num_mtp_layers=0,
+                                    **{k: common[k] for k in keep})
     raise ValueError(f"unknown tiny arch {arch!r} (choose from {ARCHS})")
 
 

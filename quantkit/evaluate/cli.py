@@ -40,7 +40,7 @@ def served_eval(opts: dict[str, Any]) -> bool:
                      toolcall_items=DATA / "toolcall.jsonl", lm_eval=lm, limit=opts["limit"],
                      threshold=opts["threshold"], max_kl=opts["max_kl"], max_flip=opts["max_flip"],
                      logprobs=opts["logprobs"], api=opts["api"], tool_choice=opts["tool_choice"],
-                     concurrency=opts["concurrency"], log=log)
+                     tool_max_tokens=opts["tool_max_tokens"], concurrency=opts["concurrency"], log=log)
     result = run_eval(cfg)
     if opts["record"] is not None:
         log(f"recorded in {record(opts['record'], result)}")

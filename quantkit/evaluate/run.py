@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,9 +130,9 @@ def _lm_eval(cfg: EvalConfig, task: str, work: Path) -> dict[str, Any]:
             "comparisons": [comp.to_json()], "verdict": comp.verdict}
 
 
-def _worst(verdicts: Any) -> str:
-    vs = list(verdicts)
-    return "fail" if "fail" in vs else "unpaired" if "unpaired" in vs else "pass"
+def _worst(verdicts: Iterable[str]) -> str:
+    vs = set(verdicts)
+    return next((v for v in ("fail", "inconclusive", "unpaired") if v in vs), "pass")
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:

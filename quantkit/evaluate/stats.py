@@ -9,7 +9,7 @@ from typing import Literal
 
 __all__ = ["Interval", "bootstrap_ci", "Comparison", "compare", "Verdict"]
 
-Verdict = Literal["pass", "fail", "unpaired"]
+Verdict = Literal["pass", "fail", "inconclusive", "unpaired"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,12 @@ class Comparison:
 
 def compare(metric: str, candidate: Sequence[float], baseline: Sequence[float] | None, threshold: float,
             scale: float = 100.0, gate: bool = True) -> Comparison:
-    """Per-item paired comparison: `fail` when the mean difference (candidate - baseline, times `scale`) drops
-    below -threshold. Items must be paired (same order, same length). `gate=False` reports without judging."""
+    """Per-item paired comparison of candidate - baseline (times `scale`: points for 0/1 scores).
+
+    `pass` when the mean difference is >= -threshold; `fail` when it is below -threshold AND the bootstrap
+    interval lies entirely below zero (the drop is real, not one unlucky item of a few dozen); otherwise
+    `inconclusive` (below the bar but within noise: more items needed). Items must be paired (same order,
+    same length). `gate=False` reports without judging."""
     cand = [scale * v for v in candidate]
     if baseline is None:
         return Comparison(metric, len(cand), _mean(cand), None, None, threshold, "unpaired")
@@ -60,7 +64,9 @@ def compare(metric: str, candidate: Sequence[float], baseline: Sequence[float] |
         raise ValueError(f"{metric}: {len(candidate)} candidate items vs {len(baseline)} baseline items")
     base = [scale * v for v in baseline]
     diff = bootstrap_ci([c - b for c, b in zip(cand, base, strict=True)])
-    verdict: Verdict = "fail" if gate and diff.mean < -threshold else "pass"
+    verdict: Verdict = "pass"
+    if gate and diff.mean < -threshold:
+        verdict = "fail" if diff.high < 0 else "inconclusive"
     return Comparison(metric, len(cand), _mean(cand), _mean(base), diff, threshold, verdict)
 
 
