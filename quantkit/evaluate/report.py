@@ -72,7 +72,8 @@ def html_section(result: dict[str, Any]) -> str:
 
 
 def record(directory: Path, result: dict[str, Any]) -> Path:
-    """Store `result` as quantkit.json["eval"] in checkpoint `directory` (atomic rewrite of the manifest)."""
+    """Store `result` as quantkit.json["eval"] in checkpoint `directory` (atomic rewrite of the manifest), then
+    regenerate a quantkit-written card and re-hash SHA256SUMS, so `verify` and `push` carry the result."""
     from quantkit.durable import write_json_atomic
 
     manifest = directory / "quantkit.json"
@@ -81,4 +82,7 @@ def record(directory: Path, result: dict[str, Any]) -> Path:
     data = json.loads(manifest.read_text(encoding="utf-8"))
     data["eval"] = {**result, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json_atomic(manifest, data)
+    from quantkit.hub.refresh import refresh_outputs
+
+    refresh_outputs(directory, ["quantkit.json"])  # the card's Quality section and SHA256SUMS follow
     return manifest
