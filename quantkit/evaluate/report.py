@@ -26,7 +26,8 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     for task, res in result["tasks"].items():
         secs = f"{res.get('seconds', 0):.0f}s"
         if task == "kl":
-            out.append([task, "KL nats/token (lower bound)", str(res["items"]), _f(res["kl_mean"], ".2e"), "-",
+            metric = f"KL nats/token (lower bound; rest mass {res['rest_mass']:.2f})"
+            out.append([task, metric, str(res["items"]), _f(res["kl_mean"], ".2e"), "-",
                         f"[{_f(res['kl_ci'][0], '.2e')}, {_f(res['kl_ci'][1], '.2e')}]",
                         f"<= {res['limits']['max_kl']:g}", res["verdict"], secs])
             out.append([task, "top-1 flip, points", str(res["items"]), _f(res["flip_points"]), "-",
