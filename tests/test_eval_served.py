@@ -190,3 +190,19 @@ def test_cli_errors_are_one_line(servers, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "/v1/models" in proc.stderr
     proc = run("--endpoint", servers().url, "--tasks", "kl")
     assert proc.returncode == 2 and "needs --baseline" in proc.stderr
+
+
+def test_lm_eval_command_sets_generation_limits(tmp_path: Path) -> None:
+    from quantkit.evaluate.client import Endpoint
+    from quantkit.evaluate.lmeval import LmEvalOptions, command
+
+    ep = Endpoint("http://h:1", "m")
+    cmd = command(ep, "gsm8k", LmEvalOptions(python=Path("py"), max_length=4096, max_gen_toks=3000, limit=5),
+                  tmp_path / "o", tmp_path / "c")
+    args = cmd[cmd.index("--model_args") + 1].split(",")
+    assert cmd[cmd.index("--model") + 1] == "local-completions"
+    assert {"base_url=http://h:1/v1/completions", "max_length=4096", "max_gen_toks=3000"} <= set(args)
+    assert cmd[cmd.index("--gen_kwargs") + 1] == "max_gen_toks=3000"  # over the task's own limit too
+    assert "--log_samples" in cmd and "--use_cache" in cmd and cmd[cmd.index("--limit") + 1] == "5"
+    sg = command(ep, "mmlu", LmEvalOptions(python=Path("py"), model="sglang-generate"), tmp_path, tmp_path)
+    assert "base_url=http://h:1/generate" in sg[sg.index("--model_args") + 1]

@@ -91,7 +91,8 @@ def eval_cmd(
     state: Annotated[Path, typer.Option("--state", help="per-item answers; a rerun resumes from them")] = Path(
         ".quantkit-eval"),
     logprobs: Annotated[int, typer.Option("--logprobs", help="kl: top-k logprobs per position")] = 20,
-    api: Annotated[str, typer.Option("--api", help="kl: openai (/v1/completions echo) | sglang (/generate)")] = (
+    api: Annotated[str, typer.Option("--api", help="openai (/v1/completions echo; lm-eval "
+                                   "local-completions) | sglang (native /generate; lm-eval sglang-generate)")] = (
         "openai"),
     tool_choice: Annotated[str, typer.Option("--tool-choice", help="toolcall: auto | required")] = "auto",
     tool_max_tokens: Annotated[int, typer.Option("--tool-max-tokens", help="toolcall: max_tokens")] = 1024,

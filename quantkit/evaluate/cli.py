@@ -34,7 +34,8 @@ def served_eval(opts: dict[str, Any]) -> bool:
     base = open_endpoint(opts["baseline"]) if opts["baseline"] else None
     lm = LmEvalOptions(python=opts["lm_eval_python"] or default_python(), tokenizer=opts["tokenizer"],
                        max_length=opts["max_length"], max_gen_toks=opts["max_gen_toks"],
-                       concurrency=opts["concurrency"], limit=opts["limit"], include_path=opts["lm_eval_include"])
+                       concurrency=opts["concurrency"], limit=opts["limit"], include_path=opts["lm_eval_include"],
+                       model="sglang-generate" if opts["api"] == "sglang" else "local-completions")
     log = (lambda m: print(m, file=sys.stderr)) if opts["as_json"] else print
     cfg = EvalConfig(candidate=cand, baseline=base, tasks=tasks, state=opts["state"], heldout=opts["data"],
                      toolcall_items=DATA / "toolcall.jsonl", lm_eval=lm, limit=opts["limit"],

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from quantkit.errors import QuantkitError
 from quantkit.evaluate.client import Endpoint
@@ -38,6 +39,9 @@ class LmEvalOptions:
     limit: int | None = None
     include_path: Path | None = None
     num_fewshot: int | None = None
+    # local-completions: /v1/completions (vLLM; loglikelihood needs echo + prompt logprobs). sglang-generate:
+    # SGLang's native /generate (return_logprob), for loglikelihood tasks its completions endpoint cannot serve.
+    model: Literal["local-completions", "sglang-generate"] = "local-completions"
 
 
 def default_python() -> Path:
@@ -49,10 +53,11 @@ def default_python() -> Path:
 
 
 def command(ep: Endpoint, task: str, opts: LmEvalOptions, out: Path, cache: Path) -> list[str]:
-    args = [f"base_url={ep.url}/v1/completions", f"model={ep.model}", f"tokenizer={opts.tokenizer or ep.model}",
+    path = "/generate" if opts.model == "sglang-generate" else "/v1/completions"
+    args = [f"base_url={ep.url}{path}", f"model={ep.model}", f"tokenizer={opts.tokenizer or ep.model}",
             "tokenizer_backend=huggingface", f"max_length={opts.max_length}", f"max_gen_toks={opts.max_gen_toks}",
             f"num_concurrent={opts.concurrency}", "max_retries=3", "timeout=3600"]
-    cmd = [str(opts.python), "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", ",".join(args),
+    cmd = [str(opts.python), "-m", "lm_eval", "run", "--model", opts.model, "--model_args", ",".join(args),
            "--tasks", task, "--gen_kwargs", f"max_gen_toks={opts.max_gen_toks}", "--output_path", str(out),
            "--log_samples", "--use_cache", str(cache), "--seed", "0"]
     if opts.limit:
