@@ -120,8 +120,10 @@ def _toolcall(cfg: EvalConfig, store: AnswerStore) -> dict[str, Any]:
 
 def _lm_eval(cfg: EvalConfig, task: str, work: Path) -> dict[str, Any]:
     opts = cfg.lm_eval
-    scores = {side: run_task(ep, task, opts, work / task / side, work / f"lm_eval-{task}-{side}.log")
-              for side, ep in _sides(cfg)}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both sides at once: one lm-eval process per server
+        futures = {side: pool.submit(run_task, ep, task, opts, work / task / side, work / f"lm_eval-{task}-{side}.log")
+                   for side, ep in _sides(cfg)}
+        scores = {side: f.result() for side, f in futures.items()}
     cand = scores["candidate"]
     base = scores.get("baseline")
     keys = sorted(cand) if base is None else sorted(cand.keys() & base.keys())

@@ -46,8 +46,8 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"source": src, "rtn": rtn, "damaged": scramble_experts(rtn, root / "damaged"), "root": root}
 
 
-def _complete(url: str, prompt: str) -> str:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+def _complete(url: str, prompt: str, model: str = "m") -> str:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
                        "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -89,7 +89,7 @@ def test_vllm_greedy_on_int4_equals_transformers_on_dequantized_twin(variants: d
 
 
 def _gate(candidate: str, baseline: str, tasks_dir: Path, tokenizer: Path, state: Path,
-          limit: int = 24) -> tuple[int, dict]:
+          limit: int = 12) -> tuple[int, dict]:
     cmd = [sys.executable, "-m", "quantkit", "eval", "--endpoint", candidate, "--baseline", baseline, "--tasks",
            "kl,toolcall,qk_heldout_mc,qk_heldout_next", "--limit", str(limit), "--lm-eval-include", str(tasks_dir),
            "--tokenizer", str(tokenizer), "--max-length", "1024", "--max-gen-toks", "8", "--tool-choice", "required",
@@ -107,7 +107,7 @@ def test_damaged_checkpoint_serves_but_fails_the_gate_honest_passes(variants: di
         with vllm_server(variants["rtn"], "rtn", root / "vllm-rtn.log") as cand:
             code, honest = _gate(cand, base, tasks, variants["source"], root / "state")
         with vllm_server(variants["damaged"], "damaged", root / "vllm-damaged.log") as cand:
-            assert _complete(cand, PROMPTS[0])  # it loads and serves
+            assert _complete(cand, PROMPTS[0], "damaged")  # it loads and serves
             dcode, damaged = _gate(cand, base, tasks, variants["source"], root / "state")
     print(json.dumps({"honest": honest["tasks"], "damaged": damaged["tasks"]}, indent=1))
     assert code == 0 and honest["verdict"] == "pass", honest["tasks"]
@@ -116,5 +116,5 @@ def test_damaged_checkpoint_serves_but_fails_the_gate_honest_passes(variants: di
     assert damaged["tasks"]["kl"]["kl_mean"] > 10 * honest["tasks"]["kl"]["kl_mean"]
     for t in ("qk_heldout_mc", "qk_heldout_next"):  # lm-eval ran on both sides, per item, paired
         comp = honest["tasks"][t]["comparisons"][0]
-        assert comp["items"] == 24 and comp["baseline"] is not None
+        assert comp["items"] == 12 and comp["baseline"] is not None
     assert Path(damaged["answers"]).exists()
