@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "eval"))
 
 from lm_tasks import write_tasks  # noqa: E402
-from models import convert, scramble_experts  # noqa: E402
+from served_models import convert, scramble_experts  # noqa: E402
 from test_vllm_served import _gate  # noqa: E402
 from vllm_server import vllm_server  # noqa: E402
 

@@ -23,7 +23,7 @@ from quantkit.calibrate.tiny import build_tiny
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lm_tasks import write_tasks  # noqa: E402
-from models import convert, dequantized_twin, scramble_experts  # noqa: E402
+from served_models import convert, dequantized_twin, scramble_experts  # noqa: E402
 from vllm_server import VENV_PYTHON, vllm_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
