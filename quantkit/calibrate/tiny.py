@@ -1,9 +1,10 @@
 """Tiny *trained* reference models, so quantization quality is measurable on a laptop.
 
-`build_tiny(arch)` trains a ~2M-parameter `deepseek_v3` (MLA, MoE in every layer) or `glm_moe_dsa`
-(MLA + DSA indexer, one dense layer then MoE) on quantkit's calibration corpus with a small byte-level
-BPE tokenizer built here, deterministically, in well under two minutes on 2 CPU cores, and saves it with
-`save_pretrained` (bf16, per-expert tensor names on disk — the layout of real releases).
+`build_tiny(arch)` trains a ~2M-parameter `deepseek_v3` (MLA, MoE in every layer), `glm_moe_dsa`
+(MLA + DSA indexer, one dense layer then MoE) or `glm4_moe` (GQA attention, one dense layer then MoE)
+on quantkit's calibration corpus with a small byte-level BPE tokenizer built here, deterministically, in
+well under two minutes on 2 CPU cores, and saves it with `save_pretrained` (bf16, per-expert tensor names
+on disk — the layout of real releases).
 
 Results are cached under `.cache/quantkit/tiny/<arch>-<digest>/`; the digest covers this file and the
 corpus, the schedule and the model config (and `TRAINING_VERSION`), so changing any retrains. Nothing
@@ -29,7 +30,7 @@ __all__ = ["ARCHS", "CORPUS", "HELDOUT", "build_tiny", "build_tokenizer", "tiny_
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "calibration_data" / "default.jsonl"
 HELDOUT = REPO / "calibration_data" / "heldout.jsonl"
-ARCHS = ("deepseek_v3", "glm_moe_dsa")
+ARCHS = ("deepseek_v3", "glm_moe_dsa", "glm4_moe")
 VOCAB = 512
 SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 CHAT_TEMPLATE = (
@@ -130,6 +131,14 @@ def tiny_config(arch: str) -> Any:
             num_nextn_predict_layers=0,
             **common,
         )
+    if arch == "glm4_moe":  # standard attention (GQA): what vLLM's CPU build runs consistently (docs/eval.md)
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group",
+                "routed_scaling_factor", "max_position_embeddings", "tie_word_embeddings", "eos_token_id",
+                "pad_token_id", "bos_token_id")
+        return AutoConfig.for_model("glm4_moe", num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+                                    use_qk_norm=True, attention_bias=True, first_k_dense_replace=1, num_mtp_layers=0,
+                                    **{k: common[k] for k in keep})
     raise ValueError(f"unknown tiny arch {arch!r} (choose from {ARCHS})")
 
 

@@ -334,6 +334,10 @@ def _quality(record: dict[str, Any]) -> str:
     quality = record.get("eval")
     if not quality:
         return "## Quality\n\nNot measured for this checkpoint (`quantkit eval MODEL --reference SOURCE`)."
+    if "tasks" in quality:  # a served evaluation (`quantkit eval --endpoint ... --record`)
+        from quantkit.evaluate.report import markdown
+
+        return "## Quality\n\n" + markdown(quality)
     return "## Quality\n\n```json\n" + json.dumps(quality, indent=2, sort_keys=True) + "\n```"
 
 

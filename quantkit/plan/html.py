@@ -197,11 +197,22 @@ def render_html(report: dict[str, Any]) -> str:
         ),
         "<p>The first two rows are this checkpoint as stored; the rest are plans sized from its config.json. "
         "Throughput figures come from a fitted model, not measurements.</p>",
+        _eval_section(report),
         "<h2>Assumptions</h2>",
         _table(["assumption", "value"], assumptions),
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _eval_section(report: dict[str, Any]) -> str:
+    """The served evaluation recorded in quantkit.json (`quantkit eval --endpoint ... --record`), if any."""
+    result = (report.get("manifest") or {}).get("eval")
+    if not result or "tasks" not in result:
+        return ""
+    from quantkit.evaluate.report import html_section
+
+    return html_section(result)
 
 
 def write_html(report: dict[str, Any], path: Path) -> None:
