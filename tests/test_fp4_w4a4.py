@@ -1,0 +1,136 @@
+"""`quantkit convert --scheme nvfp4 --calib FILE` (NVFP4 W4A4): the weights are nvfp4a16's bytes, plus one
+`input_global_scale` per quantized Linear = 2688 / amax of the activations entering it on the calibration data
+(compressed-tensors' `generate_gparam`, llm-compressor's `static_minmax` input observer), shared per fused group.
+Checked against plain torch forward hooks on the transformers model of the tiny trained checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_refs import read_all
+from torch import nn
+
+from quantkit.calibrate.tiny import CORPUS, build_tiny
+from quantkit.convert import convert
+from quantkit.convert.fp4 import fused_groups, input_group_amax
+from quantkit.errors import QuantkitError
+from quantkit.quant.fp4 import nvfp4_global_scale
+from quantkit.recipe import Recipe
+
+SAMPLES, SEQ = 8, 64
+ROLES = ["routed_expert", "shared_expert"]  # MLA attention stays unquantized in both engines
+CALIB = {"dataset": str(CORPUS), "samples": SAMPLES, "seq_len": SEQ, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def ref_amax() -> dict[str, float]:
+    return reference_amax(build_tiny("deepseek_v3"))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    src = build_tiny("deepseek_v3")
+    root = tmp_path_factory.mktemp("w4a4")
+    convert(src, root / "w4a4", Recipe(scheme="nvfp4", quantize_roles=ROLES, calibration=CALIB))
+    convert(src, root / "a16", Recipe(scheme="nvfp4a16", quantize_roles=ROLES))
+    return {"src": src, "w4a4": root / "w4a4", "a16": root / "a16"}
+
+
+def reference_amax(src: Path) -> dict[str, float]:
+    """max |input| of every quantized Linear, from forward hooks on transformers' own fp32 model; the routed experts
+    (3-D parameters there) see every calibration token, as llm-compressor's `moe_calibrate_all_experts`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.calibrate.data import calibration_tokens
+
+    tokens = calibration_tokens(CORPUS, AutoTokenizer.from_pretrained(src), SAMPLES, SEQ, 0)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+
+    def keep(name: str, x: torch.Tensor) -> None:
+        amax[name] = max(amax.get(name, 0.0), float(x.abs().max()))
+
+    def linear_hook(name: str):
+        return lambda _m, args: keep(name, args[0])
+
+    def experts_hook(name: str):
+        def hook(mod: nn.Module, args: tuple) -> None:
+            x = args[0]
+            for e in range(mod.gate_up_proj.shape[0]):
+                gate, up = nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+                keep(f"{name}.{e}.gate_proj", x)
+                keep(f"{name}.{e}.up_proj", x)
+                keep(f"{name}.{e}.down_proj", mod.act_fn(gate) * up)
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and ".shared_experts." in name:
+            mod.register_forward_pre_hook(linear_hook(name))
+        elif name.endswith("mlp.experts"):
+            mod.register_forward_pre_hook(experts_hook(name))
+    with torch.no_grad():
+        for i in range(0, SAMPLES, 4):
+            model(input_ids=tokens[i : i + 4])
+    return amax
+
+
+def test_input_global_scale_is_2688_over_the_fused_groups_activation_amax(converted, ref_amax):
+    out, a16 = read_all(converted["w4a4"]), read_all(converted["a16"])
+    scales = {n.removesuffix(".input_global_scale"): t for n, t in out.items() if n.endswith(".input_global_scale")}
+    modules = sorted(n.removesuffix(".weight_packed") for n in out if n.endswith(".weight_packed"))
+    assert sorted(scales) == modules and len(modules) > 100
+    # the weights are nvfp4a16's bytes exactly
+    assert sorted(a16) == sorted(n for n in out if not n.endswith(".input_global_scale"))
+    for n, t in a16.items():
+        assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                           out[n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else out[n]), n
+    ref = ref_amax
+    groups = fused_groups(modules)
+    assert any(".experts.3." in g for g in groups) and any(".shared_experts." in g for g in groups)
+    for m in modules:
+        members = next((ms for ms in groups.values() if m in ms), [m])
+        expected = max(ref[x] for x in members)
+        t = scales[m]
+        assert t.dtype == torch.float32 and t.shape == (1,)
+        # the runner's fp32 layer-by-layer activations equal the whole model's to float noise; the amax is rounded
+        # to bf16 before 2688 / amax (in bf16, as CT): equal, or one bf16 step apart at a rounding boundary
+        assert torch.allclose(t, nvfp4_global_scale(expected, torch.bfloat16), rtol=8e-3, atol=0), m
+        assert all(torch.equal(scales[x], t) for x in members), m  # shared per fused group
+    # not all equal: the scale follows each module's activations
+    assert len({float(t) for t in scales.values()}) > 10
+
+
+def test_runner_amax_matches_the_hooks_closely(converted, ref_amax):
+    """The observed amaxes themselves (layer files of the calibration work dir are gone after publish: recompute
+    from the scales would lose precision), via a direct calibration run on the same data."""
+    from quantkit.calibrate.runner import calibrate
+    from quantkit.checkpoint.source import open_source
+
+    res = calibrate(open_source(converted["src"]), Recipe(scheme="nvfp4", quantize_roles=ROLES, calibration=CALIB),
+                    converted["w4a4"].parent / "calib-work")
+    ref = ref_amax
+    assert sorted(res.input_amax) == sorted(ref)
+    for m, a in ref.items():
+        assert abs(res.input_amax[m] - a) <= 1e-4 * a, (m, res.input_amax[m], a)
+
+
+def test_unobserved_modules_fall_back_to_the_layers_experts_then_the_model():
+    observed = {"model.layers.0.mlp.experts.0.down_proj": 3.0, "model.layers.0.mlp.experts.1.down_proj": 5.0,
+                "model.layers.1.mlp.experts.0.down_proj": 9.0, "model.layers.0.mlp.experts.0.gate_proj": 2.0,
+                "model.layers.0.mlp.experts.0.up_proj": 2.0, "model.layers.0.mlp.experts.2.down_proj": 0.0}
+    mods = ["model.layers.0.mlp.experts.2.down_proj", "model.layers.5.mlp.experts.0.down_proj",
+            "model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj"]
+    got = input_group_amax(mods, observed)
+    assert got == {mods[0]: 5.0, mods[1]: 9.0, mods[2]: 2.0, mods[3]: 2.0}
+    with pytest.raises(QuantkitError, match="o_proj"):
+        input_group_amax(["model.layers.0.self_attn.o_proj"], observed)
+
+
+def test_config_is_the_nvfp4_preset(converted):
+    qc = json.loads((converted["w4a4"] / "config.json").read_text())["quantization_config"]
+    acts = qc["config_groups"]["group_0"]["input_activations"]
+    assert qc["format"] == "nvfp4-pack-quantized"
+    assert (acts["dynamic"], acts["strategy"], acts["group_size"], acts["num_bits"]) == ("local", "tensor_group", 16, 4)
