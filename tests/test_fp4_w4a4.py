@@ -229,3 +229,23 @@ def test_w4a4_kl_vs_its_nvfp4a16_twin(converted, capsys):
     # amax below the real one clips (asserted worse)
     assert 0 < kls["nvfp4a16"] < kls["nvfp4 (W4A4)"] < 4 * kls["nvfp4a16"] + 0.05
     assert kls["nvfp4 (W4A4)"] < kls["W4A4, input_global_scale x8"]
+
+
+def test_validate_refuses_unfused_input_global_scales(converted, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.validate import validate_checkpoint
+
+    out = tmp_path / "bad"
+    shutil.copytree(converted["w4a4"], out)
+    assert not [c for c in validate_checkpoint(out).checks if c.status == "fail"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.experts.3.up_proj.input_global_scale"
+    shard = out / index[name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, shard, metadata={"format": "pt"})
+    fails = [c.detail for c in validate_checkpoint(out).checks if c.status == "fail"]
+    assert any("model.layers.1.mlp.experts.3.gate_up_proj: unfused NVFP4 input global scales" in d for d in fails)
