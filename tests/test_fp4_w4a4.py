@@ -103,6 +103,7 @@ def test_input_global_scale_is_2688_over_the_fused_groups_activation_amax(conver
     assert len({float(t) for t in scales.values()}) > 10
 
 
+@pytest.mark.slow  # a second calibration run (~8 s); the fast test above checks the scales to one BF16 step
 def test_runner_amax_matches_the_hooks_closely(converted, ref_amax):
     """The observed amaxes themselves (layer files of the calibration work dir are gone after publish: recompute
     from the scales would lose precision), via a direct calibration run on the same data."""
