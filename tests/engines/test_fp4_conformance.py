@@ -178,9 +178,11 @@ def test_engine_loads_fp4_output_as_the_record_says(engine, case, sm, fp4_conver
             if EXPERTS.search(module):
                 experts += 1
                 assert method and _METHOD[scheme] in method, (module, method)
-                if scheme == "nvfp4":  # SGLang: W4A4 scheme on SM 10.0, weight-only W4A16 below; vLLM: one class
-                    want = "W4A4" if engine == "vllm" or sm != "9.0" else "W4A16"
+                if scheme == "nvfp4":  # SGLang: W4A4 scheme on SM 10.0, weight-only W4A16 below; vLLM: one class,
+                    want = "W4A4" if engine == "vllm" or sm != "9.0" else "W4A16"  # its backend Marlin below SM100
                     assert want in method, (module, method, sm)
+                    if engine == "vllm":
+                        assert (":MARLIN" in method) == (sm == "9.0"), (module, method, sm)
             else:
                 assert method is None or not any(k in method for k in ("Fp4", "fp4", "WNA16", "Int4")), (module,
                                                                                                        method)
