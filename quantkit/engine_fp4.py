@@ -22,6 +22,10 @@ FP4_GPUS: dict[_Engine, dict[WeightScheme, dict[str, str]]] = {
                      "blackwell (SM100)": "weight-only FP4 Marlin (same schemes: the checkpoint has no "
                                           "activation scales)"},
         "mxfp4a16": {"hopper (SM90)": "does not load", "blackwell (SM100)": "does not load"},
+        "nvfp4": {"hopper (SM90)": "weight-only FP4 Marlin (CompressedTensorsW4A16Fp4 / W4A16Nvfp4MoE: below SM100 "
+                                   "the W4A4 checkpoint is served weight-only, input_global_scale unused)",
+                  "blackwell (SM100)": "W4A4 NVFP4 (CompressedTensorsW4A4Fp4 / W4A4Nvfp4MoE): activations quantized "
+                                       "to NVFP4 with the calibrated input_global_scale"},
     },
     "vllm": {
         "nvfp4a16": {"hopper (SM90)": "weight-only FP4 Marlin (CompressedTensorsW4A4Fp4 / W4A4Nvfp4MoEMethod, "
@@ -29,6 +33,10 @@ FP4_GPUS: dict[_Engine, dict[WeightScheme, dict[str, str]]] = {
                      "blackwell (SM100)": "weight-only NVFP4 (use_a16: activations stay BF16)"},
         "mxfp4a16": {"hopper (SM90)": "weight-only MXFP4 (CompressedTensorsW4A4Mxfp4 / W4A4Mxfp4MoEMethod)",
                      "blackwell (SM100)": "W4A4: the MXFP4 schemes quantize activations to MXFP4 dynamically"},
+        "nvfp4": {"hopper (SM90)": "weight-only FP4 Marlin (CompressedTensorsW4A4Fp4 / W4A4Nvfp4MoEMethod fall back "
+                                   "to Marlin below SM100; input_global_scale loaded, not used)",
+                  "blackwell (SM100)": "W4A4 NVFP4: native FP4 GEMMs, activations quantized with the calibrated "
+                                       "input_global_scale"},
     },
 }
 
@@ -41,6 +49,9 @@ def fp4_sglang(scheme: WeightScheme, problems: list[str]) -> list[str]:
         problems.append("SGLang 0.5.23 has no compressed-tensors MXFP4 path for these models (MoE: 'Unable to find "
                         "matching target'; dense: NotImplementedError); serve MXFP4A16 with vLLM or use nvfp4a16")
         return []
+    if scheme == "nvfp4":
+        return ["NVFP4 W4A4: native W4A4 on Blackwell (CompressedTensorsW4A4Nvfp4MoE), weight-only FP4 Marlin below "
+                "SM100; gate/up weight and input global scales are fused per expert"]
     # compressed_tensors_w4a16_nvfp4_moe.py: the gate and up projections of an expert must share one
     # weight_global_scale (quantkit writes them fused); weight-only through the FP4 Marlin runner.
     return ["NVFP4A16: weight-only FP4 through Marlin on every GPU generation (CompressedTensorsW4A16Nvfp4MoE); "
@@ -54,6 +65,9 @@ def fp4_vllm(scheme: WeightScheme, warnings: list[str]) -> list[str]:
         warnings.append("vLLM serves an MXFP4A16 checkpoint as W4A4 on Blackwell (dynamic MXFP4 activations): "
                         "expect a quality step from weight-only")
         return []
+    if scheme == "nvfp4":
+        return ["NVFP4 W4A4: Blackwell runs native NVFP4 GEMMs with the calibrated input_global_scale; Hopper "
+                "weight-only FP4 Marlin; one weight and one input global scale per fused gate/up pair"]
     # CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True) creates *_input_global_scale and never uses them.
     return ["NVFP4A16: weight-only; Hopper runs FP4 Marlin, Blackwell native NVFP4 weights with BF16 activations; "
             "vLLM keeps one global scale for a fused gate/up pair (quantkit writes them equal)"]

@@ -81,13 +81,20 @@ def decompress_problems(root: Path, tensors: Tensors, modules: list[str], qconfi
 
 
 def unfused_scale_problems(root: Path, tensors: Tensors, modules: list[str]) -> list[str]:
-    """Fused groups whose members carry different NVFP4 global scales (reads only the [1]-sized scales)."""
+    """Fused groups whose members carry different NVFP4 weight (or W4A4 input) global scales (reads only the
+    [1]-sized scales)."""
     problems = []
-    for group, members in sorted(fused_groups([m for m in modules if f"{m}.weight_global_scale" in tensors]).items()):
-        values = {m.rsplit(".", 1)[-1]: float(_read(root, tensors, f"{m}.weight_global_scale").float().item())
-                  for m in members}
-        if len(set(values.values())) > 1:
-            shown = ", ".join(f"{k} {v:g}" for k, v in values.items())
-            problems.append(f"{group}: unfused NVFP4 global scales ({shown}); SGLang refuses to load them and vLLM "
-                            "keeps one, mis-scaling the others (reconvert with quantkit --scheme nvfp4a16)")
+    for kind in ("weight", "input"):
+        name = f"{kind}_global_scale"
+        for group, members in sorted(fused_groups([m for m in modules if f"{m}.{name}" in tensors]).items()):
+            values = {m.rsplit(".", 1)[-1]: float(_read(root, tensors, f"{m}.{name}").float().item()) for m in members}
+            if len(set(values.values())) > 1:
+                shown = ", ".join(f"{k} {v:g}" for k, v in values.items())
+                if kind == "weight":
+                    problems.append(f"{group}: unfused NVFP4 global scales ({shown}); SGLang refuses to load them "
+                                    "and vLLM keeps one, mis-scaling the others (reconvert with quantkit --scheme "
+                                    "nvfp4a16)")
+                else:  # W4A4: the engines quantize the fused GEMM's one input with one scale
+                    problems.append(f"{group}: unfused NVFP4 input global scales ({shown}); the engines quantize "
+                                    "the fused input with one of them (reconvert with quantkit --scheme nvfp4)")
     return problems

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from quantkit.calibrate.act_amax import observe_expert
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
 from quantkit.calibrate.memory import release_free_memory
 from quantkit.checkpoint.source import SourceCheckpoint
@@ -95,6 +96,7 @@ class ExpertMoE(nn.Module):
         self.inputs: list[torch.Tensor] | None = None  # MoE inputs kept (mode "all", when they fit)
         self.routes: list[torch.Tensor] = []  # their top-k expert indices, for routed-token weighting
         self.outputs = True  # False while collecting: routed experts skipped, the output is not the model's
+        self.amax: dict[int, list[float]] | None = None  # W4A4: expert -> input amax [gate/up, down] (act_amax.py)
 
     @classmethod
     def from_source(cls, source: SourceCheckpoint, cfg: PretrainedConfig, base: str, hf_moe: nn.Module,
@@ -268,6 +270,10 @@ class ExpertMoE(nn.Module):
                 # every token through expert e for its statistics; only routed tokens reach the output
                 a_all = self._inner(e, x)
                 self.h_down[e].add(a_all)
+                a = a_all[token]
+            elif self.amax is not None:  # W4A4 input amax: every token through expert e, as for the Hessians
+                a_all = self._inner(e, x)
+                observe_expert(self.amax, e, x, a_all)
                 a = a_all[token]
             elif token.numel() == 0:
                 continue

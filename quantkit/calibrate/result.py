@@ -37,6 +37,7 @@ class CalibrationResult:
         self.coverage: list[dict[str, Any]] = []  # one record per routed expert
         self.modules: list[dict[str, Any]] = []  # one record per other quantized Linear
         self.kv: dict[int, KVStats] = {}
+        self.input_amax: dict[str, float] = {}  # W4A4: module -> max |input| over the calibration data
 
     @classmethod
     def load(cls, work_dir: Path, adapter: Adapter, recipe: Recipe) -> CalibrationResult:
@@ -57,6 +58,7 @@ class CalibrationResult:
                         res.where[key[: -len(".weight_packed")]] = file
             res.coverage += json.loads(meta.get("coverage", "[]"))
             res.modules += json.loads(meta.get("modules", "[]"))
+            res.input_amax.update(json.loads(meta.get("amax", "null")) or {})
             kv = json.loads(meta.get("kv", "null"))
             if kv:
                 res.kv[layer] = KVStats.from_json(kv)

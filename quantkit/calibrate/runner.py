@@ -49,6 +49,7 @@ from torch import nn
 
 from quantkit.arch import Adapter, KVLayout, Role, family_for
 from quantkit.calibrate import layers as L
+from quantkit.calibrate.act_amax import LayerAmax
 from quantkit.calibrate.asymmetric import PairedPass, quantize_experts_ordered, shifted_target
 from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.kv import KVStats, StatCache
@@ -407,13 +408,19 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     t = time.time()
     stats = KVStats(kv_layout) if kv_layout else None
     writer = None if last else ActsWriter(work_dir / f"acts_{layer + 1:04d}", world)
-    if writer is not None or stats is not None:
+    observe = None  # W4A4: each target Linear's input amax (act_amax.py)
+    if recipe.scheme == "nvfp4":
+        all_roles = {Role(r) for r in recipe.quantize_roles}
+        observe = LayerAmax(_target_linears(module, base, adapter, all_roles),
+                            moe if moe is not None and Role.ROUTED_EXPERT in all_roles else None)
+    if writer is not None or stats is not None or observe is not None:
         _forward_all(module, rope, acts, cfg, device, writer, stats, moe, steps)
     if writer is not None:
         writer.close()
+    amax = observe.finish(base, world) if observe is not None else None
     phases["pass2"] = time.time() - t
     t = time.time()
-    _save_layer(work_dir, layer, packed, coverage, modules, stats, world, [base + n for n in linears])
+    _save_layer(work_dir, layer, packed, coverage, modules, stats, world, [base + n for n in linears], amax)
     del packed
     phases["save"] = time.time() - t
     return phases
@@ -526,11 +533,12 @@ def _forward_batch(module: nn.Module, rope: nn.Module, batch: dict[str, torch.Te
 
 def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], coverage: list[dict[str, Any]],
                 modules: list[dict[str, Any]], stats: KVStats | None, world: World = SINGLE,
-                order: list[str] | None = None) -> None:
+                order: list[str] | None = None, amax: dict[str, float] | None = None) -> None:
     """The layer's results, published atomically: the existence of `layer_NNNN.safetensors` marks the
     layer as finished. One process: everything in that file. Several ranks (a collective): each rank's
     packed results in its part file, then rank 0 publishes the layer file with the gathered records, the
-    KV statistics of all ranks and the list of parts. `order` is the dense modules' order."""
+    KV statistics of all ranks and the list of parts. `order` is the dense modules' order; `amax` (W4A4, already
+    merged over the ranks): module -> input amax."""
     tensors: dict[str, torch.Tensor] = {}
     for name, p in packed.items():
         tensors.update({k: v.contiguous() for k, v in p.tensors(name).items()})
@@ -540,6 +548,7 @@ def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], cover
             "coverage": json.dumps(coverage),
             "modules": json.dumps(modules),
             "kv": json.dumps(stats.to_json() if stats else None),
+            "amax": json.dumps(amax),
         }
         _publish(path, tensors, meta)
         return
@@ -557,6 +566,7 @@ def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], cover
                                          key=lambda m: position.get(m["module"], 0))),
             "kv": json.dumps(_merge_kv([g["kv"] for g in ranks])),
             "parts": json.dumps(parts),
+            "amax": json.dumps(amax),
         }
         _publish(path, {}, meta)
         for stale in work_dir.glob(f"layer_{layer:04d}.part*"):  # from an interrupted run of another size

@@ -222,6 +222,13 @@ def _convert_shards(
             if i not in done]
     if recipe.fp4 == "nvfp4" and jobs:
         _share_global_scales(source, plans, partial, workers, report, world)
+    if recipe.scheme == "nvfp4" and calibration is not None:  # W4A4: input_global_scale per fused group
+        from quantkit.convert.fp4 import input_group_amax
+
+        quantized = [p for ps in plans.values() for p in ps if p.action == "quantize"]
+        amax = input_group_amax([p.module for p in quantized], calibration.input_amax)
+        for plan in quantized:
+            plan.input_amax = amax[plan.module]
     mine = [jobs[k] for k in world.balanced([sum(p.source.nbytes for p in j.plans) for j in jobs])]
     if world.size > 1:
         report.note(f"{world.size} ranks: rank 0 converts {len(mine)} of the {len(jobs)} shards left")
@@ -339,9 +346,9 @@ def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
 # ---- metadata -----------------------------------------------------------------------------------
 def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
     """Refuse a recipe that quantizes a role an engine builds unquantized (the output could not be served)."""
-    if recipe.scheme == "nvfp4":  # W4A4: input_global_scale per fused group from calibration (docs/fp4.md)
-        raise QuantkitError(f"recipe {recipe.name}: scheme nvfp4 (W4A4) needs calibrated activation global scales, "
-                            "which this quantkit does not compute yet; use scheme nvfp4a16 (data-free)")
+    if recipe.scheme == "nvfp4" and not recipe.calibration.dataset:  # W4A4: activation scales need data
+        raise QuantkitError(f"recipe {recipe.name}: scheme nvfp4 (W4A4) needs calibration data for its activation "
+                            "global scales (--calib FILE); use scheme nvfp4a16 for data-free")
     refused = unloadable_roles(adapter, recipe.quantize_roles)
     if refused:
         role, why = next(iter(refused.items()))

@@ -28,7 +28,8 @@ from quantkit.errors import QuantkitError
 from quantkit.quant import fused
 from quantkit.quant.fp4 import PackedFP4, mxfp4_quantize, nvfp4_global_scale, nvfp4_quantize, tensor_amax
 
-__all__ = ["AMAX_FILE", "fused_group", "fused_groups", "group_amax", "quantize_fp4_tensor", "read_model_dtype"]
+__all__ = ["AMAX_FILE", "fused_group", "fused_groups", "group_amax", "input_group_amax", "quantize_fp4_tensor",
+           "read_model_dtype"]
 
 AMAX_FILE = "fp4_amax.json"
 # module-name endings the engines load into one fused parameter -> the group's tag
@@ -100,10 +101,50 @@ def group_amax(source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], wor
     return {m: per_group[g] for g, ms in groups.items() for m in ms}
 
 
+def input_group_amax(modules: list[str], observed: dict[str, float]) -> dict[str, float]:
+    """NVFP4 W4A4: module -> the activation amax its `input_global_scale` comes from: the max over its fused group
+    of the calibration's observed input amaxes (`quantkit.calibrate.act_amax`).
+
+    Fallback for a module without an observation (an expert no token reached when experts see only routed
+    tokens, an MTP layer the calibration does not run): the max over the same projection of that layer's
+    experts, else over the same projection in the whole model (the widest range seen: clipping is avoided at
+    the cost of resolution). Neither found: a one-line error."""
+    def proj(m: str) -> str:
+        return m.rsplit(".", 1)[-1]
+
+    def layer_experts(m: str) -> str:
+        return m.split(".experts.")[0] if ".experts." in m else m
+
+    seen = {m: a for m, a in observed.items() if a > 0}
+    by_proj: dict[str, float] = {}
+    by_layer_proj: dict[tuple[str, str], float] = {}
+    for m, a in seen.items():
+        by_proj[proj(m)] = max(by_proj.get(proj(m), 0.0), a)
+        if ".experts." in m:
+            key = (layer_experts(m), proj(m))
+            by_layer_proj[key] = max(by_layer_proj.get(key, 0.0), a)
+    own: dict[str, float] = {}
+    for m in modules:
+        a = seen.get(m) or by_layer_proj.get((layer_experts(m), proj(m))) or by_proj.get(proj(m))
+        if a is None:
+            raise QuantkitError(f"calibration: no activation amax for {m} (nor for any {proj(m)}); scheme nvfp4 "
+                                "needs one per quantized Linear")
+        own[m] = a
+    groups = fused_groups(modules)
+    out = dict(own)
+    for ms in groups.values():
+        shared = max(own[m] for m in ms)
+        out.update(dict.fromkeys(ms, shared))
+    return out
+
+
 def quantize_fp4_tensor(source: SourceCheckpoint, plan: TensorPlan, scheme: str) -> PackedFP4:
     """One weight in NVFP4 (global scale from its fused group's amax, else its own) or MXFP4."""
     weight = read_model_dtype(source, plan.source)
     if scheme == "mxfp4":
         return mxfp4_quantize(weight)
     amax = tensor_amax(weight) if plan.group_amax is None else torch.tensor(plan.group_amax)
-    return nvfp4_quantize(weight, nvfp4_global_scale(amax, weight.dtype))
+    packed = nvfp4_quantize(weight, nvfp4_global_scale(amax, weight.dtype))
+    if plan.input_amax is not None:  # W4A4: 2688 / activation amax, in the model dtype as CT's generate_gparam
+        packed.input_global_scale = nvfp4_global_scale(plan.input_amax, weight.dtype)
+    return packed

@@ -45,6 +45,7 @@ class TensorPlan:
     outputs: list[PlannedTensor] = field(default_factory=list)
     reason: str = ""
     group_amax: float | None = None  # NVFP4: amax over the engines' fused group (set by the pre-pass)
+    input_amax: float | None = None  # NVFP4 W4A4: activation amax over the fused group (from calibration)
 
     @property
     def module(self) -> str:
@@ -77,6 +78,8 @@ def _plan_tensor(source: SourceCheckpoint, recipe: Recipe, roles: set[Role], nam
         ]
         if recipe.fp4 == "nvfp4":
             plan.outputs.append(PlannedTensor(f"{m}.weight_global_scale", torch.float32, (1,)))
+        if recipe.scheme == "nvfp4":  # W4A4
+            plan.outputs.append(PlannedTensor(f"{m}.input_global_scale", torch.float32, (1,)))
     elif quantizable and t.fmt == "int4_packed" and _same_scheme(source, recipe):
         plan.action = "passthrough"
         plan.outputs = [PlannedTensor(p, ST_TO_TORCH[source.headers[f].tensors[p].dtype],

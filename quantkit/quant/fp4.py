@@ -67,11 +67,14 @@ class PackedFP4:
     weight_packed: torch.Tensor  # uint8 [out, in/2]
     weight_scale: torch.Tensor  # float8_e4m3fn [out, in/16] (NVFP4) or uint8 E8M0 [out, in/32] (MXFP4)
     weight_global_scale: torch.Tensor | None  # float32 [1] (NVFP4 only)
+    input_global_scale: torch.Tensor | None = None  # float32 [1] (NVFP4 W4A4 only: from calibration)
 
     def tensors(self, module: str) -> dict[str, torch.Tensor]:
         out = {f"{module}.weight_packed": self.weight_packed, f"{module}.weight_scale": self.weight_scale}
         if self.weight_global_scale is not None:
             out[f"{module}.weight_global_scale"] = self.weight_global_scale
+        if self.input_global_scale is not None:
+            out[f"{module}.input_global_scale"] = self.input_global_scale
         return out
 
 

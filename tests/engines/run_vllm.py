@@ -141,8 +141,12 @@ def _init_distributed(config: Any, tmp: Path) -> None:
 
 
 def _quant_method_name(module: Any) -> str | None:
+    """The quant method's class; for NVFP4 MoE also the backend vLLM's oracle picked (`:MARLIN` below SM100)."""
     method = getattr(module, "quant_method", None)
-    return None if method is None else type(method).__name__
+    if method is None:
+        return None
+    backend = getattr(method, "nvfp4_backend", None)
+    return type(method).__name__ + (f":{backend.name}" if backend is not None else "")
 
 
 def _survey(model: Any) -> tuple[dict[str, str], dict[str, dict[str, float | None]], dict[str, str]]:

@@ -34,6 +34,8 @@ FAST: list[FP4Case] = [(f, fmt, s, None) for f, fmt in (("deepseek_v3", "fp8"), 
 SLOW: list[FP4Case] = [("deepseek_v3", "bf16", "nvfp4a16", None), ("glm4_moe", "bf16", "nvfp4a16", None),
                        ("glm4_moe", "fp8", "mxfp4a16", None), ("glm_moe_dsa", "bf16", "mxfp4a16", None),
                        ("deepseek_v3", "fp8", "nvfp4a16", "fp8"), ("glm4_moe", "fp8", "nvfp4a16", "fp8")]
+# NVFP4 W4A4 (calibrated input_global_scale): SM 10.0 picks the W4A4 schemes, SM 9.0 weight-only
+W4A4: list[FP4Case] = [("deepseek_v3", "fp8", "nvfp4", None)]
 SMS = ("9.0", "10.0")
 # vLLM's CUTLASS MLA backend (its SM 10.0 default) allocates with real CUDA torch at construction: the harness
 # runs the Triton MLA backend instead, for the MTP draft too (attention is not what these cases check)
@@ -54,14 +56,14 @@ def _harness_args(engine: str, case: FP4Case, sm: str) -> list[str]:
     return ["--attention-backend", "TRITON_MLA"] + (["--speculative-config", _MTP_TRITON]
                                                      if case[0] != "kimi_k25" else [])
 EXPERTS = re.compile(r"\.mlp\.experts(\.routed_experts)?$")
-_METHOD = {"nvfp4a16": "Nvfp4", "mxfp4a16": "Mxfp4"}
+_METHOD = {"nvfp4a16": "Nvfp4", "mxfp4a16": "Mxfp4", "nvfp4": "Nvfp4"}
 
 
 def _params() -> list[object]:
     out = []
     for sm in SMS:
-        for case in FAST + SLOW:
-            slow = sm != "9.0" or case in SLOW
+        for case in FAST + SLOW + W4A4:
+            slow = sm != "9.0" or case in SLOW + W4A4
             name = "-".join(case[:3]) + (f"-kv{case[3]}" if case[3] else "")
             out.append(pytest.param(case, sm, id=f"{name}-sm{sm}", marks=pytest.mark.slow if slow else ()))
     return out
@@ -77,20 +79,21 @@ def fp4_converted(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
             root = tmp_path_factory.mktemp("-".join(case[:3]))
             base = "deepseek_v3" if family == "kimi_k25" else family
             overrides: dict[str, int] = dict(REAL_MLA) if base != "glm4_moe" else {}
-            if kv:
+            calibrated = kv is not None or scheme == "nvfp4"  # KV scales / W4A4 activation scales
+            if calibrated:
                 overrides["vocab_size"] = 512  # the trained tokenizer's vocabulary
             src = make_checkpoint(root / "src", base, fmt, size="tiny", config_overrides=overrides or None,
                                   mtp=family != "kimi_k25")
             if family == "kimi_k25":
                 src = wrap_multimodal(src, root / "src-kimi", "kimi_k25", vision_tensor=False)
             fields: dict[str, object] = {"scheme": scheme}
-            if kv:
+            if calibrated:
                 tok = request.getfixturevalue("tokenizer_dir")
                 for f in tok.iterdir():
                     if f.is_file() and f.name != "config.json":
                         shutil.copy2(f, src / f.name)
-                fields.update({"kv_cache": kv, "calibration.dataset": str(CORPUS), "calibration.samples": 4,
-                               "calibration.seq_len": 32})
+                fields.update({"calibration.dataset": str(CORPUS), "calibration.samples": 4,
+                               "calibration.seq_len": 32, **({"kv_cache": kv} if kv else {})})
             config = json.loads((src / "config.json").read_text())
             convert(src, root / "out", load_recipe(None, config, fields))
             cache[case] = root / "out"
@@ -110,6 +113,8 @@ def fp4_report(fp4_converted):
             fast = case in FAST and sm == "9.0"  # slow requests batch every slow case of their SM too
             batch = FAST if fast else [c for c in FAST + SLOW if (c in SLOW or sm != "9.0")
                                        and (engine, c, sm) not in cache and not _harness_limit(engine, c, sm)]
+            if case in W4A4:  # a batch of its own (run alone with -k nvfp4-)
+                batch = [case]
             runs = []
             for c in batch:
                 out = fp4_converted(c)
@@ -129,15 +134,15 @@ def fp4_report(fp4_converted):
     return get
 
 
-def _global_scales(out: Path) -> dict[str, float]:
+def _global_scales(out: Path, kind: str = "weight") -> dict[str, float]:
     from safetensors import safe_open
 
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     values = {}
     for name, shard in index.items():
-        if name.endswith(".weight_global_scale"):
+        if name.endswith(f".{kind}_global_scale"):
             with safe_open(out / shard, "pt") as fh:
-                values[name.removesuffix(".weight_global_scale")] = float(fh.get_tensor(name).item())
+                values[name.removesuffix(f".{kind}_global_scale")] = float(fh.get_tensor(name).item())
     return values
 
 
@@ -173,6 +178,11 @@ def test_engine_loads_fp4_output_as_the_record_says(engine, case, sm, fp4_conver
             if EXPERTS.search(module):
                 experts += 1
                 assert method and _METHOD[scheme] in method, (module, method)
+                if scheme == "nvfp4":  # SGLang: W4A4 scheme on SM 10.0, weight-only W4A16 below; vLLM: one class,
+                    want = "W4A4" if engine == "vllm" or sm != "9.0" else "W4A16"  # its backend Marlin below SM100
+                    assert want in method, (module, method, sm)
+                    if engine == "vllm":
+                        assert (":MARLIN" in method) == (sm == "9.0"), (module, method, sm)
             else:
                 assert method is None or not any(k in method for k in ("Fp4", "fp4", "WNA16", "Int4")), (module,
                                                                                                        method)
@@ -188,8 +198,8 @@ def test_engine_loads_fp4_output_as_the_record_says(engine, case, sm, fp4_conver
                 assert scales["k_scale"] == pytest.approx(k[0], rel=1e-6), (module, scales, k[0])
     else:
         assert "fp8" not in str(report["kv_cache_dtype"]).lower() or verdict["kv_cache"]["scale"] == "per-tile"
-    if scheme == "nvfp4a16":  # one global scale per gate/up pair: what SGLang demands and vLLM keeps one of
-        scales = _global_scales(out)
+    for kind in ("weight", "input") if scheme == "nvfp4" else ("weight",) if scheme == "nvfp4a16" else ():
+        scales = _global_scales(out, kind)  # one per gate/up pair: what SGLang demands and vLLM keeps one of
         pairs = [m for m in scales if m.endswith(".gate_proj")]
         assert pairs
         for gate in pairs:
