@@ -173,7 +173,7 @@ def main() -> None:
     ph.wrap(runner, "quantize_experts", "quantize_experts", a.tensors)
     ph.wrap(moe, "quantize_many", lambda ws, *r, **k: f"quantize_many x{len(ws)} {list(ws[0].shape)}")
     ph.wrap(moe, "quantize_rows", lambda w, *r, **k: f"quantize_rows {list(w.shape)}")
-    ph.wrap(runner, "_save_layer", "save_layer", a.tensors)
+    ph.wrap(runner, "save_layer", "save_layer", a.tensors)
     t, cpu = time.perf_counter(), time.process_time()
     runner.run(source, recipe, work, None, runner.RunOptions(tokens=tokens, threads=a.threads))
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu

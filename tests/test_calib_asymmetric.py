@@ -14,7 +14,8 @@ import torch
 
 from quantkit.calibrate.asymmetric import CrossAccumulator, inverse_hessian, shifted_target
 from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
-from quantkit.calibrate.runner import RunOptions, fp_dir, layer_file, run
+from quantkit.calibrate.layer_store import fp_dir, layer_file
+from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.quant.int4 import QMAX, QMIN, dequantize_group, group_scales

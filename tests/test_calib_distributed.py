@@ -24,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit.calibrate.eval import evaluate, fake_quantized_copy
+from quantkit.calibrate.layer_store import layer_file
 from quantkit.calibrate.result import CalibrationResult
-from quantkit.calibrate.runner import RunOptions, layer_file, run
+from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.recipe import Recipe

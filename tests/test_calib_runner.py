@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.calibrate.runner import RunOptions, layer_file, run
+from quantkit.calibrate.layer_store import layer_file
+from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.recipe import Recipe

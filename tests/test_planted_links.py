@@ -104,7 +104,8 @@ def test_a_link_in_the_calibration_spill_is_refused(tmp_path):
     """The spill's layer files are written by safetensors' own writer, which follows links: checked by name."""
     import torch
 
-    from quantkit.calibrate.runner import ActsWriter, _publish
+    from quantkit.calibrate.acts import ActsWriter
+    from quantkit.calibrate.layer_store import _publish
 
     victim = _victim(tmp_path, "file")
     work = tmp_path / "calibration"

@@ -43,24 +43,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from quantkit.arch import Adapter, KVLayout, Role, family_for
 from quantkit.calibrate import layers as L
 from quantkit.calibrate.act_amax import LayerAmax
+from quantkit.calibrate.acts import Acts, ActsWriter, write_acts
 from quantkit.calibrate.asymmetric import PairedPass, quantize_experts_ordered, shifted_target
 from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.kv import KVStats, StatCache
+from quantkit.calibrate.layer_store import first_unfinished, fp_dir, save_layer
 from quantkit.calibrate.memory import release_free_memory
 from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.distributed import SINGLE, World
-from quantkit.durable import fsync_dir, fsync_file, write_json_atomic
+from quantkit.durable import write_json_atomic
 from quantkit.errors import QuantkitError
-from quantkit.paths import open_write, refuse_link, replace, safe_mkdir
+from quantkit.paths import safe_mkdir
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4
 from quantkit.recipe import Recipe
 
@@ -126,14 +126,14 @@ def run(source: SourceCheckpoint, recipe: Recipe, work_dir: Path, progress: Prog
     kv_layout = adapter.kv_layout if recipe.kv_cache == "fp8" else None
     roles = {Role(r) for r in recipe.quantize_roles} if opts.quantize else set()
     schedule = _Schedule.of(-(-tokens.shape[0] // opts.batch_size), world)
-    start = _first_unfinished(work_dir, adapter.num_layers, asym)
+    start = first_unfinished(work_dir, adapter.num_layers, asym)
     if start == adapter.num_layers:
         say("calibration: all layers already done (resumed)")
         return CalibrationResult.load(work_dir, adapter, recipe)
     if start > 0:
         say(f"calibration: resuming at layer {start} of {adapter.num_layers}")
     else:
-        _write_acts(work_dir / "acts_0000", _embed(source, tokens, opts.batch_size, adapter.prefix, schedule.batches),
+        write_acts(work_dir / "acts_0000", _embed(source, tokens, opts.batch_size, adapter.prefix, schedule.batches),
                     world)
     rope = L.rotary(cfg)
     t0 = time.time()
@@ -213,109 +213,6 @@ def _check_manifest(work_dir: Path, source: SourceCheckpoint, recipe: Recipe, to
         if not path.exists():
             write_json_atomic(path, manifest, indent=None)
     world.barrier()
-
-
-def layer_file(work_dir: Path, layer: int) -> Path:
-    return work_dir / f"layer_{layer:04d}.safetensors"
-
-
-def fp_dir(work_dir: Path, layer: int) -> Path:
-    """The full-precision model's inputs of `layer` (asymmetric calibration); layer 0's are the embeddings."""
-    return work_dir / ("acts_0000" if layer == 0 else f"fp_{layer:04d}")
-
-
-def _first_unfinished(work_dir: Path, n: int, asymmetric: bool = False) -> int:
-    for layer in range(n):
-        if not layer_file(work_dir, layer).exists():
-            # its inputs must be there (written before the previous layer's file)
-            needed = [work_dir / f"acts_{layer:04d}"] + ([fp_dir(work_dir, layer)] if asymmetric else [])
-            if layer > 0 and not all((d / "done").exists() for d in needed):
-                raise QuantkitError(f"{work_dir}: layer {layer} inputs are missing; delete the directory to restart")
-            return layer
-    return n
-
-
-# ---------------------------------------------------------------------------------------- activations
-class Acts:
-    """This rank's inputs of one layer: batches of hidden states (+ DSA top-k indices), from RAM or disk.
-
-    `indices` are the global batch indices; `total` is the size of every rank's batches together.
-    """
-
-    def __init__(self, path: Path, indices: list[int], cached: list[dict[str, torch.Tensor]] | None,
-                 total: int) -> None:
-        self.path, self.indices, self.cached, self.total = path, indices, cached, total
-        self.files = [batch_file(path, i) for i in indices]
-
-    @classmethod
-    def open(cls, path: Path, budget: int, indices: list[int]) -> Acts:
-        missing = [i for i in indices if not batch_file(path, i).exists()]
-        if missing:
-            raise QuantkitError(f"{batch_file(path, missing[0])}: calibration batch missing (the work directory "
-                                "was made with another batch size?); delete the directory to restart")
-        size = sum(batch_file(path, i).stat().st_size for i in indices)
-        total = sum(f.stat().st_size for f in path.glob("b*.safetensors"))
-        cached = [_load(batch_file(path, i)) for i in indices] if size <= budget else None
-        return cls(path, indices, cached, total)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.cached is not None:
-            yield from self.cached
-        else:
-            for f in self.files:
-                yield _load(f)
-
-
-def batch_file(acts_dir: Path, index: int) -> Path:
-    """The activations of global calibration batch `index` at one layer boundary."""
-    return acts_dir / f"b{index:06d}.safetensors"
-
-
-def _load(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(path, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-class ActsWriter:
-    """Writes a layer's outputs batch by batch into a temporary directory, published by `close`.
-
-    With several ranks each writes its own batches; rank 0 prepares the directory and publishes it, and
-    both `__init__` and `close` are collectives."""
-
-    def __init__(self, path: Path, world: World = SINGLE) -> None:
-        self.path, self.world = path, world
-        self.tmp = path.with_name(path.name + ".tmp")
-        if world.is_main:
-            refuse_link(self.tmp, path)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            shutil.rmtree(path, ignore_errors=True)
-            self.tmp.mkdir(parents=True)
-        world.barrier()
-
-    def add(self, index: int, hidden: torch.Tensor, topk: torch.Tensor | None) -> None:
-        """The outputs of global batch `index`."""
-        t = {"hidden": hidden.detach().to("cpu", torch.float32).contiguous()}
-        if topk is not None:
-            t["topk"] = topk.detach().to("cpu", torch.int32).contiguous()
-        save_file(t, str(batch_file(self.tmp, index)))
-
-    def close(self) -> None:
-        self.world.barrier()  # every rank's batches are written
-        if self.world.is_main:
-            with open_write(self.tmp / "done"):
-                pass
-            replace(self.tmp, self.path)
-
-
-def _write_acts(path: Path, batches: Iterator[tuple[int, torch.Tensor]], world: World) -> None:
-    w = ActsWriter(path, world)
-    for i, h in batches:
-        w.add(i, h, None)
-    w.close()
-    world.barrier()  # published before any rank reads it
 
 
 def _embed(source: SourceCheckpoint, tokens: torch.Tensor, batch: int, prefix: str,
@@ -420,7 +317,7 @@ def _run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module,
     amax = observe.finish(base, world) if observe is not None else None
     phases["pass2"] = time.time() - t
     t = time.time()
-    _save_layer(work_dir, layer, packed, coverage, modules, stats, world, [base + n for n in linears], amax)
+    save_layer(work_dir, layer, packed, coverage, modules, stats, world, [base + n for n in linears], amax)
     del packed
     phases["save"] = time.time() - t
     return phases
@@ -529,71 +426,3 @@ def _forward_batch(module: nn.Module, rope: nn.Module, batch: dict[str, torch.Te
     if isinstance(out, tuple):
         out, topk = out[0], out[1]
     return out, topk
-
-
-def _save_layer(work_dir: Path, layer: int, packed: dict[str, PackedInt4], coverage: list[dict[str, Any]],
-                modules: list[dict[str, Any]], stats: KVStats | None, world: World = SINGLE,
-                order: list[str] | None = None, amax: dict[str, float] | None = None) -> None:
-    """The layer's results, published atomically: the existence of `layer_NNNN.safetensors` marks the
-    layer as finished. One process: everything in that file. Several ranks (a collective): each rank's
-    packed results in its part file, then rank 0 publishes the layer file with the gathered records, the
-    KV statistics of all ranks and the list of parts. `order` is the dense modules' order; `amax` (W4A4, already
-    merged over the ranks): module -> input amax."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in packed.items():
-        tensors.update({k: v.contiguous() for k, v in p.tensors(name).items()})
-    path = layer_file(work_dir, layer)
-    if world.size == 1:
-        meta = {
-            "coverage": json.dumps(coverage),
-            "modules": json.dumps(modules),
-            "kv": json.dumps(stats.to_json() if stats else None),
-            "amax": json.dumps(amax),
-        }
-        _publish(path, tensors, meta)
-        return
-    part = part_file(work_dir, layer, world.rank, world.size)
-    _publish(part, tensors, {"rank": str(world.rank), "world_size": str(world.size)})
-    gathered = world.all_gather_object({"coverage": coverage, "modules": modules,
-                                        "kv": stats.to_json() if stats else None})  # also: all parts written
-    if world.is_main:
-        ranks: list[dict[str, Any]] = gathered  # type: ignore[assignment]
-        position = {m: i for i, m in enumerate(order or [])}
-        parts = [part_file(work_dir, layer, r, world.size).name for r in range(world.size)]
-        meta = {
-            "coverage": json.dumps(sorted((c for g in ranks for c in g["coverage"]), key=lambda c: c["expert"])),
-            "modules": json.dumps(sorted((m for g in ranks for m in g["modules"]),
-                                         key=lambda m: position.get(m["module"], 0))),
-            "kv": json.dumps(_merge_kv([g["kv"] for g in ranks])),
-            "parts": json.dumps(parts),
-            "amax": json.dumps(amax),
-        }
-        _publish(path, {}, meta)
-        for stale in work_dir.glob(f"layer_{layer:04d}.part*"):  # from an interrupted run of another size
-            if stale.name not in parts:
-                stale.unlink(missing_ok=True)
-    world.barrier()
-
-
-def part_file(work_dir: Path, layer: int, rank: int, size: int) -> Path:
-    """Rank `rank`'s packed results of `layer` in a world of `size` ranks."""
-    return work_dir / f"layer_{layer:04d}.part{rank}of{size}.safetensors"
-
-
-def _merge_kv(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The KV statistics of all ranks as one (max of the maxima, sums of the counts and histograms)."""
-    if parts[0] is None:
-        return None
-    merged = KVStats.from_json(parts[0])
-    for p in parts[1:]:
-        merged = merged.merge(KVStats.from_json(p))  # type: ignore[arg-type]
-    return merged.to_json()
-
-
-def _publish(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    refuse_link(tmp, path)  # safetensors' writer follows links: check its name first
-    save_file(tensors, str(tmp), metadata=meta)
-    fsync_file(tmp)
-    replace(tmp, path)
-    fsync_dir(path.parent)
