@@ -191,10 +191,11 @@ def _fp4(qconfig: Any) -> str | None:
 
 
 def _check_modules(out: _Output, modules: list[str], qconfig: Any, report: ValidationReport) -> None:
-    if _fp4(qconfig):
-        report.add("quantized modules", module_problems(out.tensors, modules, _fp4(qconfig) or ""),
+    fp4 = _fp4(qconfig)
+    if fp4:
+        report.add("quantized modules", module_problems(out.tensors, modules, fp4),
                    f"{len(modules)} modules complete and consistent")
-        if _fp4(qconfig) == "nvfp4":
+        if fp4 == "nvfp4":
             report.add("fused global scales", unfused_scale_problems(out.root, out.tensors, modules),
                        "every fused group (gate/up, q_a/kv_a, q/k/v) shares one NVFP4 global scale")
         return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,13 +23,16 @@ from quantkit.serving.sglang_integrity import (
 )
 from quantkit.serving.tracker import DecodeBatch
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["agree_flags", "screen_batch"]
 
 _SCHEDULER: contextvars.ContextVar[SGLangObject | None] = contextvars.ContextVar("quantkit_scheduler", default=None)
 _STATE = state()
 
 
-def agree_flags(flags: torch.Tensor, group: Any) -> torch.Tensor:
+def agree_flags(flags: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """MAX all-reduce of per-request abort flags over a (gloo) group; unchanged without a group or alone."""
     import torch.distributed as dist
 
@@ -40,13 +43,13 @@ def agree_flags(flags: torch.Tensor, group: Any) -> torch.Tensor:
     return flags
 
 
-def _multi_rank(group: Any) -> bool:
+def _multi_rank(group: ProcessGroup | None) -> bool:
     import torch.distributed as dist
 
     return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _tp_group(batch: SGLangObject) -> Any:
+def _tp_group(batch: SGLangObject) -> ProcessGroup | None:
     scheduler = _SCHEDULER.get()
     if scheduler is not None and getattr(scheduler, "attn_tp_cpu_group", None) is not None:
         return scheduler.attn_tp_cpu_group
