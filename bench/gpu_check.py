@@ -383,12 +383,17 @@ def section_integrity(ctx: Context, rep: Report) -> None:
 def _pd_pages(ctx: Context, rep: Report, device_type: str) -> None:
     """Issue 19: `sglang_pd.mla_pages_to_fp8` per page at page sizes 1 and 64 (bench/pd_kv_pages.py), into
     `figures["pd_rows"]` of the sglang_plugin section ($OUT holds at most 8 files: one section for both plugins)."""
-    from pd_kv_pages import measure
+    from pd_kv_pages import measure, measure_staging
 
     sizes = ((1, 64), (64, 4)) if ctx.smoke else ((1, 65536), (64, 4096))
     rep.figures["pd_rows"] = []
     for page, pages in sizes:
         rep.figures["pd_rows"].append(measure(page, pages, device_type))
+        rep.save()
+        ctx.check_budget(margin=2)
+    rep.figures["pd_staging"] = []  # the plugin's whole send-side round per request, 61 layers
+    for page, pages in (((1, 16), (64, 2)) if ctx.smoke else ((1, 8192), (64, 128))):
+        rep.figures["pd_staging"].append(measure_staging(page, pages, device_type))
         rep.save()
         ctx.check_budget(margin=2)
 

@@ -392,10 +392,12 @@ def engine_verdicts(facts: CheckpointFacts, engines: Iterable[Engine] = ENGINES)
 def serving_record(facts: CheckpointFacts) -> dict[str, Any]:
     """The `serving` block of quantkit.json: per engine version, verdict, args, KV use, notes, launch line;
     `sglang.pd` is the prefill/decode pair SGLang accepts (quantkit/serving/pd.py)."""
-    from quantkit.serving.pd import pd_pair
+    from quantkit.serving.pd import pd_pair, pd_split
 
     record = {e: v.to_dict() for e, v in engine_verdicts(facts).items()}
     record["sglang"]["pd"] = pd_pair(facts).to_dict()
+    if facts.adapter.kv_layout != KVLayout.GQA:
+        record["sglang"]["pd_split"] = pd_split(facts).to_dict()
     return record
 
 

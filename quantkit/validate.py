@@ -37,6 +37,7 @@ from quantkit.validate_fp4 import (
     qconfig_problems,
     unfused_scale_problems,
 )
+from quantkit.validate_serving import check_kv_scales, check_pd_pairs
 
 __all__ = ["Check", "CheckStatus", "ValidationReport", "validate_checkpoint"]
 
@@ -102,26 +103,12 @@ def validate_checkpoint(path: str | Path, source: str | Path | None = None, samp
     _check_modules(out, modules, qconfig, report)
     _check_decompress(out, modules, qconfig, report, sample)
     _check_engine_rules(out, modules, qconfig, report)
-    _check_kv_scales(out, report)
+    check_kv_scales(out, report)
     report.engines = engine_verdicts(read_checkpoint_facts(root), engines)
-    _check_pd_pair(root, report)
+    check_pd_pairs(root, report)
     if source is not None:
         _check_against_source(out, Path(source), modules, report)
     return report
-
-
-def _check_pd_pair(root: Path, report: ValidationReport) -> None:
-    """The prefill/decode pair quantkit.json records: refused if SGLang would refuse or corrupt it."""
-    from quantkit.serving.pd import PDPair, pd_problems
-
-    try:
-        record = json.loads((root / "quantkit.json").read_text())["serving"]["sglang"]["pd"]
-        pair = PDPair.from_dict(record)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return  # no pair recorded (older outputs): nothing to check
-    report.add("sglang PD pair", pd_problems(pair),
-               f"prefill and decode both advertise {pair.decode.kv_dtype_resolved!r}, page {pair.decode.page_size}, "
-               f"{pair.decode.kv_row} rows of {pair.decode.kv_row_bytes} B, KV scale {pair.decode.kv_scale}")
 
 
 # ---- files --------------------------------------------------------------------------------------
@@ -341,35 +328,6 @@ def _check_mtp(out: _Output, adapter: Any, report: ValidationReport) -> None:
     present = any(re.match(rf"^(.*\.)?model\.layers\.{layer}\.", n) for n in out.tensors)
     report.add("MTP layer", [] if present else [f"config declares {adapter.num_mtp_layers} MTP layer(s) but layer "
                f"{layer} is absent: speculative decoding will not work"], f"layer {layer} present", warn=True)
-
-
-def _check_kv_scales(out: _Output, report: ValidationReport) -> None:
-    from safetensors import safe_open
-
-    qc = out.config.get("quantization_config") or {}
-    names = sorted(n for n in out.tensors if n.endswith(("self_attn.k_scale", "self_attn.v_scale")))
-    if not qc.get("kv_cache_scheme"):
-        report.add("KV-cache scales", ["no kv_cache_scheme: engines will use FP8 KV scale 1.0 (or BF16 KV)"]
-                   if not names else [], "none (BF16 KV or engine-computed)", warn=True)
-        return
-    adapter = get_adapter(out.config)
-    problems, values = [], {}
-    for n in names:
-        with safe_open(out.root / out.tensors[n][0], "pt") as fh:
-            values[n] = fh.get_tensor(n).float()
-    layers = sorted({int(re.search(r"layers\.(\d+)\.", n).group(1)) for n in names})  # type: ignore[union-attr]
-    if adapter.kv_layout != KVLayout.DSA and len(layers) < adapter.num_layers:
-        problems.append(f"kv scales for {len(layers)} of {adapter.num_layers} layers")
-    for n, v in values.items():
-        if not torch.isfinite(v).all() or not (v > 0).all():
-            problems.append(f"{n} is not a positive finite number")
-    if adapter.kv_layout == KVLayout.MLA:
-        for layer in layers:
-            k = values.get(f"{adapter.prefix}model.layers.{layer}.self_attn.k_scale")
-            v = values.get(f"{adapter.prefix}model.layers.{layer}.self_attn.v_scale")
-            if k is not None and v is not None and not torch.equal(k, v):
-                problems.append(f"layer {layer}: k_scale != v_scale, but MLA caches one latent for both")
-    report.add("KV-cache scales", problems, f"{len(layers)} layers with FP8 KV scales")
 
 
 # ---- against the source -------------------------------------------------------------------------

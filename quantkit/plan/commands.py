@@ -77,6 +77,10 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         pd: bool = typer.Option(
             False, "--pd", help="The prefill/decode pair SGLang accepts (with --json: the record)."
         ),
+        split: bool = typer.Option(
+            False, "--split", help="With --pd --json: the production split through quantkit's SGLang plugin "
+            "(BF16 KV on the prefill, FP8 pages converted in transit; MLA/DSA models)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Will it fit, how many tokens of KV, how many requests, how fast: per precision plan, per GPU."""
@@ -100,7 +104,11 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
             rows = plan_compare(source, dep, group_size)
             rec = recommend(rows, source.config, group_size)
             if pd and as_json:
-                _print_json(rec["pd"])
+                if split and not rec.get("pd_split"):
+                    from quantkit.errors import QuantkitError
+
+                    raise QuantkitError(f"{source.name}: no plugin split (the PD KV plugin converts MLA/DSA pages)")
+                _print_json(rec["pd_split"] if split else rec["pd"])
                 return
             if as_json:
                 _print_json(rows)

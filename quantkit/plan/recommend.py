@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from quantkit.arch import KVLayout
 from quantkit.engines import engine_verdicts, facts_from_recipe
-from quantkit.serving.pd import PDPair, gpu_arch, pd_pair, pd_problems
+from quantkit.serving.pd import PDPair, gpu_arch, pd_pair, pd_problems, pd_split
 
 __all__ = ["int4_engine_args", "pd_record", "recommend", "sglang_flags"]
 
@@ -76,15 +77,18 @@ def sglang_flags(args: list[str]) -> str:
     return " \\\n    ".join(lines)
 
 
-def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any], group_size: int) -> PDPair:
-    """The PD pair for the chosen rows: prefill on the FP8 source, decode on quantkit's INT4 output."""
+def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any], group_size: int,
+              split: bool = False) -> PDPair:
+    """The PD pair for the chosen rows: prefill on the FP8 source, decode on quantkit's INT4 output; with `split`,
+    the production split through quantkit's SGLang plugin (BF16 KV on the prefill; MLA/DSA models only)."""
     from quantkit.recipe import load_recipe
 
     roles = load_recipe(None, config).quantize_roles
     int4 = decode["weights"].startswith("int4")
     facts = facts_from_recipe(config, group_size, roles if int4 else (), decode["kv"] == "fp8")
     a = decode["assumptions"]
-    return pd_pair(facts, source=f"<{prefill['weights']}-source>", output=f"<{decode['weights']}-checkpoint>",
+    build = pd_split if split else pd_pair
+    return build(facts, source=f"<{prefill['weights']}-source>", output=f"<{decode['weights']}-checkpoint>",
                    tp=a["tp"], arch=gpu_arch(a["gpu"]), page_size=a["page_size"], weights=decode["weights"],
                    prefill_weights=prefill["weights"],
                    prefill_extra=_deployment_args(prefill, "prefill"), decode_extra=_deployment_args(decode, "decode"))
@@ -100,6 +104,8 @@ def recommend(rows: list[dict[str, Any]], config: dict[str, Any], group_size: in
         return out
     pair = pd_record(config, prefill, decode, group_size)
     out["pd"] = pair.to_dict()
+    if facts_from_recipe(config, group_size, (), False).adapter.kv_layout != KVLayout.GQA:
+        out["pd_split"] = pd_record(config, prefill, decode, group_size, split=True).to_dict()
     out["prefill"] = {"weights": prefill["weights"], "kv": "fp8", "planned_kv": prefill["kv"],
                       "prefill_tok_s": prefill["prefill_tok_s"], "sglang": sglang_flags(pair.prefill.args)}
     out["decode"] = {"weights": decode["weights"], "kv": decode["kv"],

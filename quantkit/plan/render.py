@@ -107,4 +107,14 @@ def recommend_text(rec: dict[str, Any]) -> str:
         lines.append("  router:")
         lines.append("    " + rec["router"].replace("\n", "\n  "))
     lines.append("  note: " + rec["note"])
+    split = rec.get("pd_split")
+    if split:
+        from quantkit.plan.recommend import sglang_flags
+
+        lines.append("production split (BF16 KV on the prefill, FP8 on the decode; quantkit's SGLang plugin, "
+                     "`--pd --split --json` for the record):")
+        for side in ("prefill", "decode"):
+            env = " ".join(f"{k}={v}" for k, v in split[side].get("env", {}).items())
+            lines.append(f"  {side}: " + (env + " \\\n    " if env else "")
+                         + sglang_flags(split[side]["args"]).replace("\n", "\n  "))
     return "\n".join(lines)

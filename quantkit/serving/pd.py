@@ -23,7 +23,7 @@ from quantkit.arch import KVLayout
 from quantkit.engines import CheckpointFacts, engine_verdicts
 from quantkit.serving.kv_backends import GpuArch, sglang_backend, sglang_effective_scale
 
-__all__ = ["PDPair", "PDRouter", "PDSide", "gpu_arch", "pd_pair", "pd_problems", "resolve_kv_dtype_str"]
+__all__ = ["PDPair", "PDRouter", "PDSide", "gpu_arch", "pd_pair", "pd_problems", "pd_split", "resolve_kv_dtype_str"]
 
 Mode = Literal["prefill", "decode"]
 KVRow = Literal["mla", "dsa-656", "dsa-576", "gqa"]
@@ -60,6 +60,20 @@ class PDSide:
     kv_row: KVRow
     kv_row_bytes: int  # bytes of one token's KV row in one layer
     port: int
+    env: dict[str, str] = field(default_factory=dict)  # environment the server needs (the PD KV plugin)
+    # What goes on the wire when it differs from what this side stores (the prefill of the plugin split): the
+    # dtype string it advertises and the row its pages are converted to. "" = as stored.
+    wire_kv_dtype: str = ""
+    wire_row: str = ""
+    wire_row_bytes: int = 0
+
+    @property
+    def advertised(self) -> str:
+        return self.wire_kv_dtype or self.kv_dtype_resolved
+
+    @property
+    def sent_row(self) -> tuple[str, int]:
+        return (self.wire_row, self.wire_row_bytes) if self.wire_row else (self.kv_row, self.kv_row_bytes)
 
 
 @dataclass(frozen=True)
@@ -140,7 +154,8 @@ def pd_pair(facts: CheckpointFacts, *, source: str = "<fp8-source>", output: str
         prefill.kv_scale, f"scale {prefill.kv_scale}")
     gives_up = (f"the prefill writes FP8 KV at {scale} instead of BF16: every prompt token's latent is rounded to "
                 f"FP8 once{at_one}; the production split (BF16 on prefill, FP8 on decode) needs a KV hand-off that "
-                "converts dtypes, which stock SGLang does not have")
+                "converts dtypes, which stock SGLang does not have (quantkit's SGLang plugin does: "
+                "`quantkit plan --pd --split`)")
     notes = []
     if calibrated and layout == KVLayout.MLA and not same:
         notes.append(f"the decode's calibrated KV scales are not applied: the prefill's FP8 source has none, so both "
@@ -168,19 +183,87 @@ def pd_problems(pair: PDPair) -> list[str]:
     if p.page_size != d.page_size:
         problems.append(f"--page-size differs (prefill {p.page_size}, decode {d.page_size}): SGLang's decode "
                         "refuses the pair on the first request (Page size mismatch)")
-    if p.kv_dtype_resolved != d.kv_dtype_resolved:
-        problems.append(f"--kv-cache-dtype resolves to {p.kv_dtype_resolved!r} on the prefill and "
+    if p.advertised != d.kv_dtype_resolved:
+        problems.append(f"--kv-cache-dtype resolves to {p.advertised!r} on the prefill and "
                         f"{d.kv_dtype_resolved!r} on the decode: SGLang compares the strings and refuses the pair "
                         "on the first request (KV cache dtype mismatch); set --kv-cache-dtype fp8_e4m3 on both sides")
-    if p.dtype != d.dtype and "auto" in (p.kv_dtype_resolved, d.kv_dtype_resolved):
+    if p.dtype != d.dtype and "auto" in (p.advertised, d.kv_dtype_resolved):
         problems.append(f"--dtype differs ({p.dtype} vs {d.dtype}) under --kv-cache-dtype auto: both advertise "
                         "'auto', SGLang accepts, and pages of one dtype are read as the other")
-    if p.kv_row != d.kv_row or p.kv_row_bytes != d.kv_row_bytes:
-        problems.append(f"KV rows differ ({p.kv_row} {p.kv_row_bytes} B on the prefill, {d.kv_row} {d.kv_row_bytes} "
+    (row, row_bytes) = p.sent_row
+    if row != d.kv_row or row_bytes != d.kv_row_bytes:
+        problems.append(f"KV rows differ ({row} {row_bytes} B sent by the prefill, {d.kv_row} {d.kv_row_bytes} "
                         "B on the decode): pages are copied with the prefill's size into the decode's layout; set "
                         "the same --dsa-prefill-backend/--dsa-decode-backend (or --attention-backend) on both sides")
-    if p.kv_scale != d.kv_scale:
+    if p.wire_row:
+        problems += _split_problems(p, d)
+    elif p.kv_scale != d.kv_scale:
         problems.append(f"KV scales differ (prefill {p.kv_scale}, decode {d.kv_scale}): the decode reads the "
                         "prefill's FP8 pages with its own scale; change the decode's --attention-backend to one "
                         "that applies the same scale")
     return problems
+
+
+def _split_problems(p: PDSide, d: PDSide) -> list[str]:
+    """The plugin split: the prefill must carry the plugin's environment, pointed at the decode's checkpoint."""
+    from quantkit.serving.sglang_pd import DECODE_ENV, ENV, MODE
+
+    problems = []
+    if p.env.get(ENV) != MODE:
+        problems.append(f"the prefill converts pages only with {ENV}={MODE} in its environment")
+    if p.env.get(DECODE_ENV) != d.checkpoint:
+        problems.append(f"{DECODE_ENV} must name the decode's checkpoint ({d.checkpoint}), it names "
+                        f"{p.env.get(DECODE_ENV)!r}: the prefill would quantize with another checkpoint's KV scales")
+    if p.kv_dtype_resolved not in ("auto", "bf16", "bfloat16"):
+        problems.append(f"the plugin's prefill must store BF16 KV, it resolves {p.kv_dtype_resolved!r}: run it with "
+                        "--kv-cache-dtype bf16 (or auto on a checkpoint without a kv_cache_scheme)")
+    return problems
+
+
+def pd_split(facts: CheckpointFacts, *, source: str = "<fp8-source>", output: str = "<MODEL>", tp: int = 8,
+             arch: GpuArch = "sm90", page_size: int = 64, prefill_extra: list[str] | None = None,
+             decode_extra: list[str] | None = None, weights: str = "int4", prefill_weights: str = "fp8") -> PDPair:
+    """The production split through quantkit's SGLang plugin (`quantkit.serving.sglang_pd`): the prefill on the
+    FP8 source keeps BF16 KV (`--kv-cache-dtype auto`) and converts each page in transit into the decode's FP8
+    rows at the decode's scale; the decode (quantkit's output) is a stock SGLang server. MLA decodes with
+    calibrated scales pin the backend that applies them (triton); DSA decodes pin flashmla_kv (656 B rows with
+    per-tile scales: the row the plugin writes)."""
+    from quantkit.serving.sglang_pd import DECODE_ENV, ENV, MODE
+
+    plain = pd_pair(facts, source=source, output=output, tp=tp, arch=arch, page_size=page_size,
+                    prefill_extra=prefill_extra, decode_extra=decode_extra, weights=weights,
+                    prefill_weights=prefill_weights)
+    sglang = engine_verdicts(facts, ("sglang",))["sglang"]
+    layout = facts.adapter.kv_layout
+    if layout == KVLayout.GQA:
+        raise ValueError("the PD KV plugin converts MLA/DSA pages only")
+    calibrated = sglang.kv_cache.scale == "calibrated"
+    backend = "flashmla_kv" if layout == KVLayout.DSA else (
+        sglang.kv_cache.attention_backend if calibrated else plain.decode.attention_backend)
+    int4_args = _without_flag(_without_flag(sglang.args, "--kv-cache-dtype"), "--attention-backend")
+    decode = _side("decode", facts, output, weights, calibrated, arch, tp, page_size,
+                   int4_args + list(decode_extra or []), backend)
+    bf16_row, bf16_bytes = _kv_row(facts, False, None)
+    # On quantkit's output (one checkpoint for both sides) `auto` would resolve to its FP8 kv_cache_scheme: ask
+    # for bf16 by name there; on the FP8 source (no KV scheme) `auto` is the model dtype.
+    same = prefill_weights == weights
+    checkpoint, kv = (output, "bf16") if same else (source, "auto")
+    args = ["python", "-m", "sglang.launch_server", "--model-path", checkpoint, "--tp-size", str(tp),
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT),
+            "--disaggregation-transfer-backend", "mooncake", "--kv-cache-dtype", kv, "--page-size",
+            str(page_size), "--dtype", "bfloat16", "--port", str(PORTS["prefill"]), "--trust-remote-code",
+            *((int4_args if same else []) + list(prefill_extra or []))]
+    env = {ENV: MODE, DECODE_ENV: output}
+    prefill = PDSide("prefill", checkpoint, prefill_weights, args, kv, kv, "BF16 (no scale)", page_size,
+                     "bfloat16", "sglang default (BF16 KV)", bf16_row, bf16_bytes, PORTS["prefill"], env,
+                     decode.kv_dtype_resolved, decode.kv_row, decode.kv_row_bytes)
+    gives_up = ("nothing on the KV: the prefill attends over BF16 KV; each page is rounded to the decode's FP8 "
+                f"once, in transit ({decode.kv_row}, {decode.kv_row_bytes} B per token and layer), exactly as the "
+                "decode would have written it; costs a staging area on the prefill (8192 tokens x layers x row "
+                "bytes by default) and one conversion per page sent")
+    notes = [f"prefill environment: {ENV}={MODE} {DECODE_ENV}=<the decode's checkpoint directory> (quantkit "
+             "installed in the prefill's Python; the decode runs stock SGLang)"]
+    if layout == KVLayout.DSA and arch == "sm100":
+        notes.append("DSA on Blackwell: the decode pins flashmla_kv (656 B rows) instead of SGLang's trtllm default "
+                     "(576 B raw rows, which the plugin does not write)")
+    return PDPair(prefill, decode, plain.router, gives_up, notes)

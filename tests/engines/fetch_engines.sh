@@ -12,6 +12,30 @@ VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 VLLM_CT_VERSION=${VLLM_CT_VERSION:-0.17.0}
 ROOT=.cache/engines
 STAMP="$ROOT/.ready-sglang-$SGLANG_VERSION-vllm-$VLLM_VERSION"
+MOONCAKE_VERSION=${MOONCAKE_VERSION:-0.3.13.post1}
+MOONCAKE_STAMP="$ROOT/.ready-mooncake-$MOONCAKE_VERSION"
+
+# The Mooncake transfer engine (TCP mode, no CUDA) for the PD transfer test (tests/engines/run_sglang_pd_transfer.py):
+# the wheel plus what SGLang's disaggregation code imports that the venv lacks (pyzmq, aiohttp for the bootstrap
+# server, prometheus_client), installed with --no-deps into .cache/engines/mooncake; the wheel's engine.so links
+# libibverbs, taken from Debian's packages and only unpacked (dpkg -x) into .cache/engines/mooncake-libs.
+# Its own stamp: machines that already hold the older engines pick this step up.
+mooncake() {
+  [ -f "$MOONCAKE_STAMP" ] && return 0
+  local dir=$ROOT/mooncake libs=$ROOT/mooncake-libs tmp deb
+  rm -rf "$dir" "$libs" && mkdir -p "$dir" "$libs"
+  "$PY" -m pip install -q --no-deps --target "$dir" "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
+    pyzmq==27.3.0 prometheus-client==0.26.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 \
+    frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 msgpack==1.2.4
+  tmp=$(mktemp -d)
+  if ! (cd "$tmp" && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null 2>&1); then
+    apt-get update -q >/dev/null && (cd "$tmp" && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null)
+  fi
+  for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$libs"; done
+  rm -rf "$tmp"
+  touch "$MOONCAKE_STAMP"
+}
+mooncake
 [ -f "$STAMP" ] && exit 0
 mkdir -p "$ROOT/wheels"
 

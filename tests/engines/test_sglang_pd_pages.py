@@ -38,3 +38,28 @@ def test_converted_prefill_pages_equal_the_decodes_own_pages(pages, page: int, l
     got = result[layout]
     assert got["decode_written"] and got["bytes_per_page"] == page * row
     assert got["equal"], got
+
+
+def test_plugin_reads_the_split_record_and_the_decodes_scales(converted) -> None:
+    """`convert` records the plugin split; the plugin reads from the decode's checkpoint the dtype string and rows
+    the decode stores and, as its attention applies them (triton), every layer's calibrated k_scale; validate
+    checks the split."""
+    from safetensors import safe_open
+
+    from quantkit.serving.sglang_pd import decode_target
+    from quantkit.validate import validate_checkpoint
+
+    out = converted(MLA_CASE)[1]
+    split = json.loads((out / "quantkit.json").read_text())["serving"]["sglang"]["pd_split"]
+    assert split["decode"]["attention_backend"] == "triton" and split["decode"]["kv_scale"] == "calibrated"
+    target = decode_target(out)
+    assert (target.kv_dtype, target.row) == ("fp8_e4m3", "mla")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    names = {n: f for n, f in index.items() if n.endswith("self_attn.k_proj.k_scale")}
+    assert len(target.scales) == len(names) >= 2
+    for name, shard in names.items():
+        with safe_open(out / shard, "pt") as f:
+            assert target.scales[int(name.split(".")[2])] == float(f.get_tensor(name))
+    assert len(set(target.scales.values())) > 1  # per layer, not one number
+    checks = {c.name: c for c in validate_checkpoint(out).checks}
+    assert checks["sglang PD split (plugin)"].status == "ok", checks["sglang PD split (plugin)"]
