@@ -15,9 +15,8 @@ import argparse
 import json
 import time
 
-import torch
-
 import numpy as np
+import torch
 
 from quantkit.serving.pd_staging import PageStaging, StagedLayer
 from quantkit.serving.sglang_pd import mla_pages_to_fp8

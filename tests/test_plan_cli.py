@@ -131,3 +131,23 @@ def test_pd_json_is_the_pair_record_and_compare_prints_the_same_commands() -> No
     compare = CliRunner().invoke(app, ["plan", "glm-5.2", "--gpu", "h200", "--tp", "8", "--compare"]).output
     for side in (pair.prefill, pair.decode, pair.router):
         assert sglang_flags(side.args).replace("\n", "\n  ") in compare
+
+
+def test_pd_split_json_is_the_plugin_record_and_gqa_models_get_none() -> None:
+    """`--pd --split --json`: the production split through quantkit's SGLang plugin (BF16 KV on the prefill, the
+    plugin's environment pointing at the decode's checkpoint); GLM-4.x (GQA) has none: a QuantkitError (main()
+    prints it as one line, exit 2)."""
+    from quantkit.serving.pd import PDPair, pd_problems
+    from quantkit.serving.sglang_pd import DECODE_ENV, ENV, MODE
+
+    result = CliRunner().invoke(app, ["plan", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--pd", "--split",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    pair = PDPair.from_dict(json.loads(result.output))
+    assert pd_problems(pair) == [] and pair.prefill.env == {ENV: MODE, DECODE_ENV: pair.decode.checkpoint}
+    assert pair.prefill.kv_row_bytes == 1152 and pair.prefill.sent_row == ("mla", 576) == (
+        pair.decode.kv_row, pair.decode.kv_row_bytes)
+    text = CliRunner().invoke(app, ["plan", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--pd"]).output
+    assert f"{ENV}={MODE}" in text and "production split" in text
+    gqa = CliRunner().invoke(app, ["plan", "glm-4.7", "--gpu", "h200", "--tp", "8", "--pd", "--split", "--json"])
+    assert isinstance(gqa.exception, QuantkitError) and "MLA/DSA" in str(gqa.exception)

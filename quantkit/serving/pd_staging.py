@@ -33,15 +33,17 @@ def row_bytes(row: DecodeRow, kv_lora_rank: int, rope: int) -> int:
     return kv_lora_rank + rope if row == "mla" else kv_lora_rank + kv_lora_rank // _TILE * 4 + rope * 2
 
 
-def mla_pages_to_fp8(pages: torch.Tensor, k_scale: float) -> torch.Tensor:
+def mla_pages_to_fp8(pages: torch.Tensor, k_scale: float | torch.Tensor) -> torch.Tensor:
     """BF16 MLA pages [n_pages, page_size, kv_lora_rank + rope] -> the decode's FP8 bytes (same shape, uint8):
     the latent divided by the decode layer's calibrated k_scale in the latent's dtype, then cast, as the decode's
     triton backend writes its own tokens (`k.div_(layer.k_scale)` before `MLATokenToKVPool.set_kv_buffer`)."""
     if pages.dtype != torch.bfloat16:
         raise ValueError(f"expected BF16 prefill pages, got {pages.dtype}")
-    if k_scale == 1.0:
-        return pages.to(_FP8).view(torch.uint8)
-    return pages.div(torch.tensor(k_scale, dtype=torch.float32, device=pages.device)).to(_FP8).view(torch.uint8)
+    if not isinstance(k_scale, torch.Tensor):
+        if k_scale == 1.0:
+            return pages.to(_FP8).view(torch.uint8)
+        k_scale = torch.tensor(k_scale, dtype=torch.float32, device=pages.device)
+    return pages.div(k_scale).to(_FP8).view(torch.uint8)
 
 
 def dsa_pages_to_fp8(pages: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:
@@ -90,6 +92,10 @@ class PageStaging:
         device = layers[0].source.device
         self.buffers = [torch.zeros((slots, page_size, self.row_bytes), dtype=torch.uint8, device=device)
                         for _ in layers]
+        # 0-dim fp32 scales on the pool's device, made once (a host-to-device copy per layer per send otherwise)
+        self._scales: list[float | torch.Tensor] = [
+            layer.k_scale if layer.k_scale == 1.0 else torch.tensor(layer.k_scale, dtype=torch.float32, device=device)
+            for layer in layers]
         self._free = list(range(slots))
         self._cond = threading.Condition()
 
@@ -119,11 +125,11 @@ class PageStaging:
         """Convert the prefill's pages `pages` of every layer into staging `slots` (same order)."""
         src_idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=self.buffers[0].device)
         dst_idx = torch.as_tensor(list(slots), dtype=torch.int64, device=self.buffers[0].device)
-        for layer, staged in zip(self.layers, self.buffers, strict=True):
+        for layer, staged, scale in zip(self.layers, self.buffers, self._scales, strict=True):
             flat = layer.source.reshape(-1, layer.source.shape[-1])
             whole = flat.shape[0] // self.page_size * self.page_size  # SGLang pads the pool by one page
             bf16 = flat[:whole].view(-1, self.page_size, flat.shape[-1]).index_select(0, src_idx)
-            fp8 = (mla_pages_to_fp8(bf16, layer.k_scale) if self.row == "mla"
+            fp8 = (mla_pages_to_fp8(bf16, scale) if self.row == "mla"
                    else dsa_pages_to_fp8(bf16, self.kv_lora_rank))
             staged.index_copy_(0, dst_idx, fp8)
         if staged.is_cuda:  # the transfer engine reads the staging memory directly: the casts must be done
