@@ -1,9 +1,11 @@
 """KV pages moved between two processes by SGLang 0.5.23's own PD transfer code over Mooncake (TCP), on the CPU.
 
-    python tests/engines/run_sglang_pd_transfer.py OUT.json CKPT [--source SRC] [CASE...]
-    cases: fp8, bf16-fp8, bf16-fp8-forced, plugin (default: all). CKPT: a converted checkpoint with calibrated FP8
-    KV scales (the decode's, and the prefill's except in `plugin`); SRC: its BF16-KV source, the `plugin` prefill
-    (`--kv-cache-dtype auto`, as quantkit's pd_split record launches it; without SRC: CKPT with `bf16`).
+    python tests/engines/run_sglang_pd_transfer.py OUT.json CKPT [--source SRC] [--dsa DSA --dsa-source DSA_SRC]
+        [CASE...]
+    cases (pd_transfer_cases.CASES): fp8, bf16-fp8, bf16-fp8-forced, plugin, plugin-rounds, and plugin-dsa with
+    --dsa (default: all). CKPT: a converted checkpoint with calibrated FP8 KV scales (the decode's, and the
+    prefill's except in the plugin cases); SRC: its BF16-KV source, the plugin prefill (`--kv-cache-dtype auto`,
+    as quantkit's pd_split record launches it; without SRC: CKPT with `bf16`). DSA / DSA_SRC: the same for GLM-5.
 
 SGLang is imported once (run_sglang.prepare: the stubs of tests/engines/stubs.py, minus zmq and aiohttp, which are
 real here, from .cache/engines/mooncake); per case and page size (1, 64) two forked children play the prefill and
@@ -11,13 +13,15 @@ the decode server, talking over 127.0.0.1 only. In each child, for real: `prepar
 `--disaggregation-mode prefill|decode --disaggregation-transfer-backend mooncake --kv-cache-dtype X --page-size P`,
 `ModelConfig` + the checkpoint's quant config + `configure_kv_cache_dtype` (the `kv_cache_dtype_str` ModelRunner
 sets), `maybe_init_shared_mooncake_transfer_engine` (Mooncake's TransferEngine, protocol tcp), a real
-`MLATokenToKVPool` on the CPU and real `MetadataBuffers`, and the KV manager built by
-`PrefillBootstrapQueue._init_kv_manager` / `DecodePreallocQueue._init_kv_manager` (run on an instance carrying
-only the attributes they read). Prefill: `load_plugins()` first (SGLANG_PLUGINS=quantkit_pd_kv: the plugin is on
-iff QUANTKIT_PD_KV is set), `start_disagg_service()` (the bootstrap server), a `MooncakeKVSender` polled to
-WaitingForInput, `init` + `send` of its page indices, polled to Success/Failed. Decode: a `MooncakeKVReceiver`,
+`MLATokenToKVPool` (DSA: `DSATokenToKVPool`, see pd_transfer_cases) on the CPU at the page size SGLang resolved,
+real `MetadataBuffers`, and the KV manager built by `PrefillBootstrapQueue._init_kv_manager` /
+`DecodePreallocQueue._init_kv_manager` (run on an instance carrying only the attributes they read). Prefill:
+`load_plugins()` first (SGLANG_PLUGINS=quantkit_pd_kv: the plugin is on iff QUANTKIT_PD_KV is set),
+`start_disagg_service()` (the bootstrap server), a `MooncakeKVSender` polled to WaitingForInput, `init` + `send`
+of its page indices, polled to Success/Failed. Decode: a `MooncakeKVReceiver`,
 `try_ensure_parallel_info` retried as `DecodePreallocQueue` does, `init`, `send_metadata` of its destination
-pages, polled to Success/Failed. Both dump their pools; the parent compares the bytes.
+pages (and, for DSA, of its indexer state), polled to Success/Failed. Both dump their pools (DSA: the decode also
+writes its own reference pool); the parent compares the bytes.
 """
 
 from __future__ import annotations
@@ -36,34 +40,19 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import pd_transfer_cases as cases  # noqa: E402
 import run_sglang  # noqa: E402
+from pd_transfer_cases import CASES, DEFAULT_CASES, PAGES, SRC_PAGES  # noqa: E402
 
 MOONCAKE = run_sglang.ENGINES / "mooncake"
-PAGES = (1, 64)
-POOL_PAGES = 8  # usable pages per pool (page 0 of the buffer is SGLang's padding page)
-SRC_PAGES = (1, 3, 4)  # what the prefill sends
-CANARY = 0xA5  # every decode byte before the transfer
 ROOM = 4242
 AUX_TOKEN = 31337  # first output token in the prefill's metadata row
-# case -> prefill / decode --kv-cache-dtype, prefill env, decode destination pages, and (control only) the
-# dtype string the decode manager claims, so that SGLang's dtype check passes and the raw copy runs.
-CASES: dict[str, dict[str, Any]] = {
-    "fp8": {"prefill": "fp8_e4m3", "decode": "fp8_e4m3", "env": {}, "dst": (5, 2, 6)},
-    # the prefill's sender would wait for the decode until SGLang's bootstrap timeout: shortened to see its end
-    "bf16-fp8": {"prefill": "bf16", "decode": "fp8_e4m3", "env": {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"},
-                 "dst": (5, 2, 6)},
-    # dst pages in the first half: the BF16 item length doubles every decode offset (more would write past the pool)
-    "bf16-fp8-forced": {"prefill": "bf16", "decode": "fp8_e4m3", "env": {}, "dst": (1, 2, 3), "claim": "bf16"},
-    "plugin": {"prefill": "auto", "decode": "fp8_e4m3", "dst": (5, 2, 6), "prefill_ckpt": "source",
-               "env": {"QUANTKIT_PD_KV": "bf16-to-fp8", "QUANTKIT_PD_KV_DECODE": "{ckpt}"}},
-}
-DEFAULT_CASES = ("fp8", "bf16-fp8", "bf16-fp8-forced", "plugin")
 STATUS = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
 
 
 def prepare() -> None:
     """run_sglang.prepare, with the real zmq / aiohttp / mooncake of .cache/engines/mooncake."""
-    run_sglang.prepare(["DeepseekV3ForCausalLM"])
+    run_sglang.prepare(["DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"])
     sys.path.insert(0, str(MOONCAKE))
     real = {"zmq", "aiohttp"}
     for finder in sys.meta_path:
@@ -95,6 +84,12 @@ class _Errors(logging.Handler):
         self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}"[:400])
 
 
+class PageSizeResolved(Exception):
+    def __init__(self, requested: int, resolved: int, pool_error: str | None) -> None:
+        super().__init__(f"SGLang resolved --page-size {requested} to {resolved}")
+        self.resolved, self.pool_error = resolved, pool_error
+
+
 def _resolve(ckpt: str, args: list[str]) -> tuple[Any, Any, str, Any]:
     """Publish the server args; (server_args, model_config, kv_cache_dtype_str, kv torch dtype) as ModelRunner."""
     from types import SimpleNamespace
@@ -120,8 +115,9 @@ def _resolve(ckpt: str, args: list[str]) -> tuple[Any, Any, str, Any]:
     return server_args, model_config, resolved if resolved is not None else get_model().kv_cache_dtype, dtype
 
 
-def _manager(role: str, ckpt: str, args: list[str], page: int) -> tuple[Any, Any, Any, str]:
-    """(kv manager, pool, metadata buffers, kv_cache_dtype_str), the manager built by SGLang's queue method."""
+def _manager(role: str, ckpt: str, args: list[str], page: int) -> tuple[Any, Any, Any, dict[str, Any], Any]:
+    """(kv manager, pool, metadata buffers, notes, a builder of another such pool), the manager built by SGLang's
+    queue method."""
     from types import SimpleNamespace
 
     import torch
@@ -131,18 +127,20 @@ def _manager(role: str, ckpt: str, args: list[str], page: int) -> tuple[Any, Any
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
         maybe_init_shared_mooncake_transfer_engine,
     )
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.runtime_context import get_schedule
 
     server_args, model_config, dtype_str, dtype = _resolve(ckpt, args)
     if role == "prefill":  # the bootstrap server (SGLang starts it in the tokenizer manager's process)
         from sglang.srt.managers.disagg_service import start_disagg_service
 
         start_disagg_service()
+    resolved = get_schedule().page_size  # what ModelRunner builds its pool with
+    if resolved != page:  # GLM-5 on CUDA: SGLang resolves every --page-size to 64
+        raise PageSizeResolved(page, resolved, cases.pool_error(model_config, dtype, page))
     maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
+    pool, notes = cases.build_pool(model_config, dtype, page)
+    notes.update(kv_cache_dtype_str=dtype_str, page_size_resolved=resolved)
     hf = model_config.hf_text_config
-    pool = MLATokenToKVPool(size=POOL_PAGES * page, page_size=page, dtype=dtype, kv_lora_rank=hf.kv_lora_rank,
-                            qk_rope_head_dim=hf.qk_rope_head_dim, layer_num=model_config.num_hidden_layers,
-                            device="cpu", enable_memory_saver=False)
     meta = MetadataBuffers(4, hidden_size=hf.hidden_size, hidden_states_dtype=torch.bfloat16,
                            max_sampling_mask_tokens=16)
     runner = SimpleNamespace(kv_cache_dtype_str=dtype_str)
@@ -153,18 +151,15 @@ def _manager(role: str, ckpt: str, args: list[str], page: int) -> tuple[Any, Any
     queue.__dict__.update(transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, scheduler=scheduler,
                           token_to_kv_pool=pool, draft_token_to_kv_pool=None, is_mla_backend=is_mla_backend(pool),
                           metadata_buffers=meta, enable_staging=False)
-    return queue._init_kv_manager(), pool, meta, dtype_str
+    return queue._init_kv_manager(), pool, meta, notes, lambda: cases.build_pool(model_config, dtype, page)[0]
 
 
-def _fill(pool: Any, fp8: bool) -> None:
-    import torch
-
-    gen = torch.Generator().manual_seed(7)
-    for buf in pool.kv_buffer:
-        if fp8:  # arbitrary FP8 bytes
-            buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
-        else:  # latents of a realistic size
-            buf.copy_((torch.randn(buf.shape, generator=gen) * 3).to(buf.dtype))
+def _describe(mgr: Any, pool: Any, notes: dict[str, Any]) -> dict[str, Any]:
+    args = mgr.kv_args
+    return {**notes, "kv_item_lens": list(args.kv_item_lens), "advertised_kv_cache_dtype": mgr.kv_cache_dtype_str,
+            "state_types": [str(getattr(t, "value", t)) for t in getattr(args, "state_types", [])],
+            "state_item_lens": [list(x) for x in getattr(args, "state_item_lens", [])],
+            "pool_class": type(pool).__name__, "store_dtype": str(pool.store_dtype)}
 
 
 def _poll(obj: Any, done: set[int], deadline: float, stop: Path | None = None) -> int:
@@ -188,11 +183,25 @@ def prefill(ckpt: str, args: list[str], page: int, work: Path) -> dict[str, Any]
         out["plugin_error"] = f"{type(exc).__name__}: {exc}"
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
 
-    mgr, pool, meta, out["kv_cache_dtype_str"] = _manager("prefill", ckpt, args, page)
-    out["kv_item_lens"], out["advertised_kv_cache_dtype"] = list(mgr.kv_args.kv_item_lens), mgr.kv_cache_dtype_str
-    _fill(pool, pool.store_dtype != torch.bfloat16)
+    mgr, pool, meta, notes, _ = _manager("prefill", ckpt, args, page)
+    out.update(_describe(mgr, pool, notes))
+    staging = getattr(mgr, "_quantkit_pd_staging", None)
+    out["staging_slots"] = staging.slots if staging is not None else None
+    if staging is not None:  # record SGLang's send of each round: (staging slots, decode pages, its status)
+        rounds, send = [], staging.send
+
+        def counted(pages: Any, dst: Any, sglang_send: Any) -> int:
+            def one(slots: Any, to: Any) -> int:
+                ret = sglang_send(slots, to)
+                rounds.append({"slots": [int(x) for x in slots], "dst": [int(x) for x in to], "ret": int(ret)})
+                return ret
+
+            return send(pages, dst, one)
+
+        staging.send, out["rounds"] = counted, rounds
+    cases.fill(pool, pool.store_dtype != torch.bfloat16)
     meta.output_ids[0, 0] = AUX_TOKEN
-    torch.save([b.clone() for b in pool.kv_buffer], work / "prefill.pt")
+    cases.dump(pool, work / "prefill.pt")
     sender = MooncakeKVSender(mgr, f"127.0.0.1:{mgr.bootstrap_port}", ROOM)
     (work / "prefill.ready").touch()
     stop = None if "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT" in os.environ else work / "decode.json"
@@ -201,12 +210,12 @@ def prefill(ckpt: str, args: list[str], page: int, work: Path) -> dict[str, Any]
     if status == 2:
         sender.init(len(SRC_PAGES), 0)
         start = time.perf_counter()
-        sender.send(np.array(SRC_PAGES, dtype=np.int32))
-        status = _poll(sender, {0, 4}, time.time() + 60)
+        sender.send(np.array(SRC_PAGES, dtype=np.int32), cases.state_indices(mgr.kv_args, SRC_PAGES))
+        status = _poll(sender, {0, 4}, time.time() + 120)
         out["transfer_s"] = time.perf_counter() - start
     out["status"] = STATUS[status]
     out["failure"] = mgr.failure_records.get(ROOM)
-    deadline = time.time() + 30  # stay up (engine, sockets) until the decode has its answer, as a server would
+    deadline = time.time() + 120  # stay up (engine, sockets) until the decode has its answer, as a server would
     while not (work / "decode.json").exists() and time.time() < deadline:
         time.sleep(0.01)
     return out
@@ -218,12 +227,11 @@ def decode(ckpt: str, args: list[str], page: int, work: Path, case: dict[str, An
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
 
     out: dict[str, Any] = {"error": None}
-    mgr, pool, meta, out["kv_cache_dtype_str"] = _manager("decode", ckpt, args, page)
-    out["kv_item_lens"], out["advertised_kv_cache_dtype"] = list(mgr.kv_args.kv_item_lens), mgr.kv_cache_dtype_str
+    mgr, pool, meta, notes, another = _manager("decode", ckpt, args, page)
+    out.update(_describe(mgr, pool, notes))
     if case.get("claim"):  # control only: pass the dtype-string check, nothing else changed
         mgr.kv_cache_dtype_str = case["claim"]
-    for buf in pool.kv_buffer:
-        buf.view(torch.uint8).fill_(CANARY)
+    cases.canary(pool)
     deadline, gone = time.time() + 60, work / "prefill.json"  # gone: the prefill child has ended
     while not (work / "prefill.ready").exists() and not gone.exists() and time.time() < deadline:
         time.sleep(0.01)
@@ -236,15 +244,21 @@ def decode(ckpt: str, args: list[str], page: int, work: Path, case: dict[str, An
             raise RuntimeError("the prefill's bootstrap server never answered /route")
         receiver.init(0)
         start = time.perf_counter()
-        receiver.send_metadata(np.array(case["dst"], dtype=np.int32), aux_index=0)
-        out["status"] = STATUS[_poll(receiver, {0, 4}, time.time() + 60, gone)]
+        receiver.send_metadata(np.array(case["dst"], dtype=np.int32), aux_index=0,
+                               state_indices=cases.state_indices(mgr.kv_args, case["dst"]))
+        out["status"] = STATUS[_poll(receiver, {0, 4}, time.time() + 120, gone)]
         out["transfer_s"] = time.perf_counter() - start
     except Exception as exc:  # SGLang's refusal (nothing in the scheduler catches it: the server exits)
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["status"] = STATUS[int(mgr.check_status(ROOM))]
     out["failure"] = mgr.failure_records.get(ROOM)
     out["aux_token"] = int(meta.output_ids[0, 0])
-    torch.save([b.clone() for b in pool.kv_buffer], work / "decode.pt")
+    cases.dump(pool, work / "decode.pt")
+    if cases.state_buffers(pool) and out["status"] == "Success":  # DSA: the decode's own write, for reference
+        start = time.perf_counter()
+        src = torch.load(work / "prefill.pt")["kv"]
+        torch.save(cases.dsa_reference(another(), src, page, case["dst"]), work / "reference.pt")
+        out["reference_s"] = time.perf_counter() - start
     return out
 
 
@@ -258,16 +272,19 @@ def _child(role: str, case: str, ckpts: dict[str, str], page: int, port: int, wo
         logging.getLogger(name).addHandler(errors)
     try:
         spec = CASES[case]
-        ckpt, kv = ckpts["ckpt"], spec[role]
+        decode_ckpt, source = cases.checkpoints(case, ckpts)
+        ckpt, kv = decode_ckpt, spec[role]
         if role == "prefill" and spec.get("prefill_ckpt") == "source":
-            ckpt, kv = (ckpts["source"], kv) if ckpts.get("source") else (ckpt, "bf16")
+            ckpt, kv = (source, kv) if source else (ckpt, "bf16")
         os.environ.update(MC_FORCE_TCP="1", MOONCAKE_PROTOCOL="tcp", SGLANG_HOST_IP="127.0.0.1")
         if role == "prefill":
-            os.environ.update({k: v.format(ckpt=ckpts["ckpt"]) for k, v in spec["env"].items()})
+            os.environ.update({k: v.format(ckpt=decode_ckpt, page=page) for k, v in spec["env"].items()})
         args = ["--tp-size", "1", "--host", "127.0.0.1", "--disaggregation-mode", role,
                 "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port", str(port),
-                "--kv-cache-dtype", kv, "--page-size", str(page)]
+                "--kv-cache-dtype", kv, "--page-size", str(page), *spec.get(f"{role}_args", [])]
         result = prefill(ckpt, args, page, work) if role == "prefill" else decode(ckpt, args, page, work, spec)
+    except PageSizeResolved as exc:  # no server of this case runs at this page size
+        result = {"error": None, "status": None, "page_size_resolved": exc.resolved, "pool_error": exc.pool_error}
     except Exception:
         result = {"error": traceback.format_exc(limit=8), "status": None}
     result["log"] = errors.lines[-20:]
@@ -291,53 +308,6 @@ def _wait(pids: list[int], timeout: float) -> bool:
     return not left
 
 
-def _k_scales(ckpt: str, layers: int) -> list[float]:
-    from safetensors import safe_open
-
-    index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
-    scales = []
-    for i in range(layers):
-        name = f"model.layers.{i}.self_attn.k_proj.k_scale"
-        with safe_open(Path(ckpt) / index[name], "pt") as f:
-            scales.append(float(f.get_tensor(name)))
-    return scales
-
-
-def compare(case: str, ckpt: str, page: int, work: Path) -> dict[str, Any]:
-    """Destination pages against what the decode should hold; every other decode byte still the canary."""
-    import torch
-
-    from quantkit.serving.sglang_pd import mla_pages_to_fp8
-
-    src, dst = torch.load(work / "prefill.pt"), torch.load(work / "decode.pt")
-    dst_pages = CASES[case]["dst"]
-    scales = _k_scales(ckpt, len(src)) if case == "plugin" else [1.0] * len(src)
-    differing, untouched_ok, intended_empty, stray, written = 0, True, 0, 0, []
-    for layer, (s, d) in enumerate(zip(src, dst, strict=True)):
-        s_pages = s.reshape(-1, page, s.shape[-1])
-        d_pages = d.view(torch.uint8).reshape(-1, page, d.shape[-1] * d.element_size())
-        idx = torch.tensor(SRC_PAGES)
-        if case == "plugin":
-            want = mla_pages_to_fp8(s_pages[idx], scales[layer])
-        else:
-            want = s_pages[idx].view(torch.uint8).reshape(len(SRC_PAGES), page, -1)
-        got = d_pages[torch.tensor(dst_pages)]
-        differing += int((got != want).sum()) if got.shape == want.shape else int(got.numel())
-        intended_empty += int((got == CANARY).all(dim=(1, 2)).sum())
-        others = torch.ones(d_pages.shape[0], dtype=torch.bool)
-        others[list(dst_pages)] = False
-        bad = int((d_pages[others] != CANARY).sum())
-        if layer == 0:
-            written = [i for i in range(d_pages.shape[0]) if bool((d_pages[i] != CANARY).any())]
-        stray += bad
-        untouched_ok &= bad == 0
-    return {"equal": differing == 0, "differing_bytes": differing, "others_untouched": untouched_ok,
-            "stray_bytes": stray, "intended_pages_still_canary": intended_empty, "dst_pages": list(dst_pages),
-            "written_pages_layer0": written,
-            "page_bytes_decode": int(dst[0][:page].numel() * dst[0].element_size()),
-            "page_bytes_prefill": int(src[0][:page].numel() * src[0].element_size())}
-
-
 def run_case(case: str, ckpts: dict[str, str], page: int, root: Path) -> dict[str, Any]:
     work = root / f"{case}-{page}"
     work.mkdir(parents=True, exist_ok=True)
@@ -356,18 +326,19 @@ def run_case(case: str, ckpts: dict[str, str], page: int, root: Path) -> dict[st
     if d.get("transfer_s") is not None:
         d["transfer_ms_per_page"] = round(1000 * d["transfer_s"] / len(SRC_PAGES), 3)
     if (work / "decode.pt").exists() and (work / "prefill.pt").exists():
-        out["pages"] = compare(case, ckpts["ckpt"], page, work)
+        out["pages"] = cases.compare(case, cases.checkpoints(case, ckpts)[0], page, work)
     return out
 
 
 def main(argv: list[str]) -> int:
     out, ckpts, rest = Path(argv[0]), {"ckpt": str(Path(argv[1]).resolve())}, argv[2:]
-    if rest[:1] == ["--source"]:
-        ckpts["source"], rest = str(Path(rest[1]).resolve()), rest[2:]
-    cases = rest or list(DEFAULT_CASES)
+    while rest[:1] in (["--source"], ["--dsa"], ["--dsa-source"]):
+        ckpts[rest[0][2:].replace("-", "_")], rest = str(Path(rest[1]).resolve()), rest[2:]
+    names = rest or [*DEFAULT_CASES, *(["plugin-dsa"] if "dsa" in ckpts else [])]
     prepare()
     root = out.parent / (out.stem + "-work")
-    report = {"ckpts": ckpts, "cases": [run_case(c, ckpts, p, root) for c in cases for p in PAGES]}
+    report = {"ckpts": ckpts, "cases": [run_case(c, ckpts, p, root) for c in names
+                                        for p in CASES[c].get("pages", PAGES)]}
     out.write_text(json.dumps(report, indent=1))
     return 0
 

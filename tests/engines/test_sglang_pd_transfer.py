@@ -9,6 +9,13 @@ transfer engine (TCP on 127.0.0.1), page sizes 1 and 64 (tests/engines/run_sglan
   beyond the destination are overwritten.
 - plugin: QUANTKIT_PD_KV=bf16-to-fp8 on the prefill: the decode's pages equal what the decode would have written
   itself (`mla_pages_to_fp8` with that layer's calibrated k_scale), neighbours untouched.
+- plugin-rounds: the same with a staging of one page (QUANTKIT_PD_KV_STAGING_TOKENS = page size): SGLang's send
+  runs once per page, each round reusing the one staging slot; same bytes.
+- plugin-dsa (GLM-5, `DSA_CASE`): BF16 `DSATokenToKVPool` prefill -> FP8 `DSATokenToKVPool` decode (656 B rows, both
+  built by SGLang's `_build_dsa_kv_pool`): the decode pool equals, byte for byte and everywhere, a pool the decode
+  wrote itself from the same latents (`set_mla_kv_buffer`); the indexer K cache, SGLang's DSA state, arrives
+  unchanged. Page size 1 does not exist for it: SGLang resolves `--page-size 1` to 64 for DSA, and its DSA pool
+  refuses anything else.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import pytest
 from harness import ENGINES_DIR, HERE, REPO, SOURCES, EngineRunError
 from test_kv_backends import MLA_CASE
+from test_pd_pair import DSA_CASE
 
 MOONCAKE = ENGINES_DIR / "mooncake"
 LIBS = ENGINES_DIR / "mooncake-libs"
@@ -42,11 +50,11 @@ def _mooncake_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def transfer(converted, tmp_path_factory) -> dict[tuple[str, int], dict[str, Any]]:
     env = _mooncake_env()
-    src, out = converted(MLA_CASE)
+    (src, out), (dsa_src, dsa) = converted(MLA_CASE), converted(DSA_CASE)
     tmp = tmp_path_factory.mktemp("sglang-pd-transfer")
     proc = subprocess.run([sys.executable, str(HERE / "run_sglang_pd_transfer.py"), str(tmp / "transfer.json"),
-                           str(out), "--source", str(src)], capture_output=True, text=True, timeout=600, cwd=tmp,
-                          env=env)
+                           str(out), "--source", str(src), "--dsa", str(dsa), "--dsa-source", str(dsa_src)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp, env=env)
     if proc.returncode != 0:
         raise EngineRunError(f"run_sglang_pd_transfer.py exited {proc.returncode}: {proc.stderr[-3000:]}")
     report = json.loads((tmp / "transfer.json").read_text())
@@ -96,12 +104,54 @@ def test_bf16_pages_into_fp8_pool_without_the_check_land_on_the_wrong_pages(tran
     assert pages["written_pages_layer0"] == list(range(2 * first, 2 * (pages["dst_pages"][-1] + 1))), pages
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_plugin_converts_bf16_pages_to_the_decodes_fp8_pages(transfer, page: int) -> None:
-    result = transfer[("plugin", page)]
+def _plugin_moved(result: dict[str, Any]) -> dict[str, Any]:
     _ran(result)
     assert result["prefill"]["plugin_error"] is None, result["prefill"]["plugin_error"]
     assert result["prefill"]["status"] == result["decode"]["status"] == "Success", result
+    assert result["prefill"]["advertised_kv_cache_dtype"] == result["decode"]["advertised_kv_cache_dtype"]
+    assert result["prefill"]["kv_item_lens"] == result["decode"]["kv_item_lens"]  # the staging's, the decode's
+    assert result["decode"]["aux_token"] == 31337
     pages = result["pages"]
     assert pages["equal"] and pages["differing_bytes"] == 0, pages
     assert pages["others_untouched"] and pages["written_pages_layer0"] == sorted(pages["dst_pages"]), pages
+    return pages
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_plugin_converts_bf16_pages_to_the_decodes_fp8_pages(transfer, page: int) -> None:
+    _plugin_moved(transfer[("plugin", page)])
+    assert transfer[("plugin", page)]["prefill"]["rounds"] == [{"slots": [0, 1, 2], "dst": [5, 2, 6], "ret": 0}]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_plugin_sends_a_request_larger_than_its_staging_in_rounds(transfer, page: int) -> None:
+    result = transfer[("plugin-rounds", page)]
+    _plugin_moved(result)
+    assert result["prefill"]["staging_slots"] == 1
+    # one SGLang send per page, each from the one staging slot, to the decode's pages in order
+    assert result["prefill"]["rounds"] == [{"slots": [0], "dst": [d], "ret": 0} for d in (5, 2, 6)], result
+
+
+def test_plugin_dsa_pages_equal_the_decodes_own_write(transfer) -> None:
+    result = transfer[("plugin-dsa", 64)]
+    pages = _plugin_moved(result)
+    prefill, decode = result["prefill"], result["decode"]
+    assert prefill["pool_class"] == decode["pool_class"] == "DSATokenToKVPool"
+    assert (prefill["store_dtype"], decode["store_dtype"]) == ("torch.bfloat16", "torch.uint8")
+    assert decode["kv_item_lens"] == [656 * 64] * 3 and pages["page_bytes_prefill"] == 1152 * 64
+    assert pages["differing_bytes_whole_pool"] == 0, pages  # against the decode's own set_mla_kv_buffer write
+    # SGLang registers the indexer K cache as state and moves it raw: same pages, same bytes, nothing else
+    assert prefill["state_types"] == decode["state_types"] == ["dsa"]
+    assert prefill["state_item_lens"] == decode["state_item_lens"] == [[64 * (128 + 4)] * 3]
+    state = pages["state"]
+    assert state["equal"] and state["stray_bytes"] == 0 and state["intended_pages_still_canary"] == 0, state
+
+
+def test_dsa_has_no_page_size_1(transfer) -> None:
+    """GLM-5 on CUDA: SGLang resolves --page-size 1 to 64, and its DSA pool asserts 64-token pages."""
+    result = transfer[("plugin-dsa", 1)]
+    _ran(result)
+    for role in ("prefill", "decode"):
+        side = result[role]
+        assert side["page_size_resolved"] == 64 and side["status"] is None, side
+        assert side["pool_error"].startswith("AssertionError: DSA requires 64-token physical pages"), side
