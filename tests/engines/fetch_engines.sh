@@ -36,6 +36,19 @@ mooncake() {
   touch "$MOONCAKE_STAMP"
 }
 mooncake
+
+# SGLang's PD router (the `sglang-router` wheel, its Rust core included) and what its launcher imports, for the
+# test that parses the router command quantkit records with the router's own argument parser.
+ROUTER_VERSION=${ROUTER_VERSION:-0.3.2}
+ROUTER_STAMP="$ROOT/.ready-router-$ROUTER_VERSION"
+router() {
+  [ -f "$ROUTER_STAMP" ] && return 0
+  rm -rf "$ROOT/router" && mkdir -p "$ROOT/router"
+  "$PY" -m pip install -q --no-deps --target "$ROOT/router" "sglang-router==$ROUTER_VERSION" setproctitle==1.3.7 \
+    uvicorn==0.54.0 h11==0.16.0 fastapi==0.122.0
+  touch "$ROUTER_STAMP"
+}
+router
 [ -f "$STAMP" ] && exit 0
 mkdir -p "$ROOT/wheels"
 
