@@ -132,6 +132,31 @@ def _publish(ckpt: Path, args: list[str]) -> SGLangObject:
     return server_args
 
 
+def kv_cache_of(server_args: SGLangObject) -> tuple[SGLangObject, SGLangObject, str, torch.dtype]:
+    """What ModelRunner resolves for the published args: (model config, quant config, the `kv_cache_dtype_str`
+    it advertises to a PD peer, the KV torch dtype), through SGLang's `_get_quantization_config` and
+    `configure_kv_cache_dtype`."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
+    from sglang.srt.model_loader.loader import _get_quantization_config
+    from sglang.srt.runtime_context import get_model
+
+    model_config = ModelConfig.from_server_args(server_args)
+    load_config = build_load_config(server_args=server_args, tp_rank=0,
+                                    remote_instance_weight_transporter_engine=None,
+                                    remote_instance_weight_transporter_session_id="", draft_model_idx=None,
+                                    weight_cache_mode=get_model().weight_cache_mode, weight_cache_socket=None)
+    quant_config = _get_quantization_config(model_config, load_config)
+    resolved, dtype = configure_kv_cache_dtype(
+        server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=SimpleNamespace(quant_config=quant_config),
+        model_dtype=model_config.dtype, is_draft_worker=False, is_dflash=False,
+        speculative_draft_attention_backend=None)
+    return model_config, quant_config, resolved if resolved is not None else get_model().kv_cache_dtype, dtype
+
+
 # ---- observation ----------------------------------------------------------------------------------
 def _flat_tensors(value: object) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):

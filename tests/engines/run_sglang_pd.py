@@ -49,30 +49,17 @@ def _server_argv(ckpt: str, args: list[str]) -> list[str]:
 def side(ckpt: str, args: list[str]) -> dict[str, Any]:
     """What one server resolves for its args: backends, page size, dtype, KV dtype string and row."""
     import torch
-    from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
-    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
-    from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
-    from sglang.srt.model_loader.loader import _get_quantization_config
     from sglang.srt.runtime_context import attention_backends, get_exec, get_model
 
     server_args = run_sglang._publish(Path(ckpt), _server_argv(ckpt, args)[2:])
-    model_config = ModelConfig.from_server_args(server_args)
-    load_config = build_load_config(server_args=server_args, tp_rank=0,
-                                    remote_instance_weight_transporter_engine=None,
-                                    remote_instance_weight_transporter_session_id="", draft_model_idx=None,
-                                    weight_cache_mode=get_model().weight_cache_mode, weight_cache_socket=None)
-    quant_config = _get_quantization_config(model_config, load_config)
-    resolved, dtype = configure_kv_cache_dtype(
-        server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=SimpleNamespace(quant_config=quant_config),
-        model_dtype=model_config.dtype, is_draft_worker=False, is_dflash=False,
-        speculative_draft_attention_backend=None)
+    model_config, quant_config, dtype_str, dtype = run_sglang.kv_cache_of(server_args)
     kernel = get_exec().kernel
     dim = calculate_mla_kv_cache_dim(model_config=model_config, kv_cache_dtype=dtype)
     return {
         "kv_cache_dtype_cli": get_model().kv_cache_dtype,
         "kv_cache_quant_algo": getattr(quant_config, "kv_cache_quant_algo", None),
-        "kv_cache_dtype_str": resolved if resolved is not None else get_model().kv_cache_dtype,
+        "kv_cache_dtype_str": dtype_str,
         "kv_dtype": str(dtype).removeprefix("torch."),
         "page_size": server_args.page_size,
         "dtype": str(model_config.dtype).removeprefix("torch."),

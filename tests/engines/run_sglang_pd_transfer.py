@@ -92,27 +92,10 @@ class PageSizeResolved(Exception):
 
 def _resolve(ckpt: str, args: list[str]) -> tuple[Any, Any, str, Any]:
     """Publish the server args; (server_args, model_config, kv_cache_dtype_str, kv torch dtype) as ModelRunner."""
-    from types import SimpleNamespace
-
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
-    from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
-    from sglang.srt.model_loader.loader import _get_quantization_config
-    from sglang.srt.runtime_context import get_model
-
     server_args = run_sglang._publish(Path(ckpt), args)
     run_sglang._init_single_rank()  # gloo, one rank: the parallel groups the KV manager reads (pp_group)
-    model_config = ModelConfig.from_server_args(server_args)
-    load_config = build_load_config(server_args=server_args, tp_rank=0,
-                                    remote_instance_weight_transporter_engine=None,
-                                    remote_instance_weight_transporter_session_id="", draft_model_idx=None,
-                                    weight_cache_mode=get_model().weight_cache_mode, weight_cache_socket=None)
-    quant = _get_quantization_config(model_config, load_config)
-    resolved, dtype = configure_kv_cache_dtype(
-        server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=SimpleNamespace(quant_config=quant),
-        model_dtype=model_config.dtype, is_draft_worker=False, is_dflash=False,
-        speculative_draft_attention_backend=None)
-    return server_args, model_config, resolved if resolved is not None else get_model().kv_cache_dtype, dtype
+    model_config, _, dtype_str, dtype = run_sglang.kv_cache_of(server_args)
+    return server_args, model_config, dtype_str, dtype
 
 
 def _manager(role: str, ckpt: str, args: list[str], page: int) -> tuple[Any, Any, Any, dict[str, Any], Any]:
