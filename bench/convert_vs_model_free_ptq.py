@@ -67,7 +67,7 @@ model_free_ptq(src, out, scheme=scheme, ignore=[], max_workers=workers, converte
 
 GEN = r"""
 import json, sys
-from quantkit.synth import make_checkpoint
+from quantkit.checkpoint.synth import make_checkpoint
 make_checkpoint(sys.argv[1], "glm_moe_dsa", "fp8", size="tiny", shards=int(sys.argv[2]),
                 config_overrides=json.loads(sys.argv[3]))
 """
@@ -75,8 +75,8 @@ make_checkpoint(sys.argv[1], "glm_moe_dsa", "fp8", size="tiny", shards=int(sys.a
 OURS = r"""
 import sys, torch
 torch.set_num_threads(int(sys.argv[4]))
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 convert(sys.argv[1], sys.argv[2], load_recipe("glm5-w4a16-g32", {}, {"scheme": sys.argv[5]}), workers=int(sys.argv[3]))
 """
 

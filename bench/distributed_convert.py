@@ -31,8 +31,8 @@ from convert_vs_model_free_ptq import BENCH_CONFIG, generate_source, run_sampled
 RANK = r"""
 import json, os, resource, sys, time
 start = time.perf_counter()
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 imported = time.perf_counter() - start
 result = convert(sys.argv[1], sys.argv[2], load_recipe("glm5-w4a16-g32", {}), workers=1)
 usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -76,8 +76,8 @@ def shares(src: Path, ranks: int) -> list[int]:
     """Source bytes each rank converts (the partition `convert` computes: World.balanced over the shards)."""
     from quantkit.checkpoint.source import open_source
     from quantkit.convert.plan import plan_conversion
-    from quantkit.distributed import World
-    from quantkit.recipe import load_recipe
+    from quantkit.core.distributed import World
+    from quantkit.quant.recipe import load_recipe
 
     source = open_source(src)
     plans = plan_conversion(source, load_recipe("glm5-w4a16-g32", {}))

@@ -3,7 +3,7 @@
     .venv/bin/python bench/distributed_gptq.py                 # ~2 min on 2 shared cores
     .venv/bin/python bench/distributed_gptq.py --samples 2 --seq-len 64 --layers 2   # quick smoke
 
-Measured: a generated DeepSeek-V3-layout checkpoint (`quantkit.synth`, size "bench": hidden 1024, 32
+Measured: a generated DeepSeek-V3-layout checkpoint (`quantkit.checkpoint.synth`, size "bench": hidden 1024, 32
 experts of 512, 3 layers of which the first is dense) calibrated with GPTQ on every routed expert,
 pre-tokenized random windows, batch 1: one process with 1 thread and 2 ranks x 1 thread
 (`--two-threads`: also one process with 2 threads); each rank a fresh process started with torchrun's
@@ -148,8 +148,8 @@ def work_split(src: Path, tokens: int) -> list[dict]:
     from quantkit.calibrate import layers as L
     from quantkit.calibrate.moe import quantize_experts
     from quantkit.checkpoint.source import open_source
-    from quantkit.distributed import SINGLE, World
-    from quantkit.recipe import GPTQSettings
+    from quantkit.core.distributed import SINGLE, World
+    from quantkit.quant.recipe import GPTQSettings
 
     torch.set_num_threads(1)
     source = open_source(src)
@@ -175,7 +175,7 @@ def work_split(src: Path, tokens: int) -> list[dict]:
 def memory_per_rank(root: Path, toks: object, samples: int, seq: int) -> dict:
     """Peak RSS per rank, 1 vs 2 ranks, on a model whose experts dominate a layer (48 experts of 2048 x 1024,
     576 MiB per layer in bf16): forward passes only (no GPTQ), so the layers' weights are what differs."""
-    from quantkit.synth import make_checkpoint
+    from quantkit.checkpoint.synth import make_checkpoint
 
     src = make_checkpoint(root / "mem-src", "deepseek_v3", "bf16", size="bench", mtp=False, shards=2,
                           config_overrides={"num_hidden_layers": 3, "moe_intermediate_size": 2048,
@@ -225,7 +225,7 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from quantkit.synth import make_checkpoint
+    from quantkit.checkpoint.synth import make_checkpoint
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="qk-distgptq-"))

@@ -31,7 +31,7 @@ from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.quant.int4 import PackedInt4, dequantize_group, unpack_int4
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 Packed = Callable[[str], PackedInt4 | None]
 

@@ -138,7 +138,7 @@ def main() -> None:
     from quantkit.calibrate import moe, runner
     from quantkit.calibrate.data import calibration_tokens
     from quantkit.checkpoint.source import open_source
-    from quantkit.recipe import Recipe
+    from quantkit.quant.recipe import Recipe
 
     torch.set_num_threads(a.threads)
     if a.no_chunk_trim:

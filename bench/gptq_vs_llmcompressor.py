@@ -125,8 +125,8 @@ def _quality_one(arch: str, samples: int, seq_len: int, threads: int, variants: 
     from quantkit.calibrate.eval import evaluate_in_subprocess
     from quantkit.calibrate.reference import ignore_list, oneshot_gptq
     from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
-    from quantkit.convert import convert
-    from quantkit.recipe import Recipe
+    from quantkit.convert.pipeline import convert
+    from quantkit.quant.recipe import Recipe
 
     torch.set_num_threads(threads)
     src = build_tiny(arch)
@@ -175,7 +175,7 @@ def cost(threads: int, variants: list[str], reps: int, speed_tokens: tuple[int, 
     from quantkit.calibrate.runner import RunOptions, run
     from quantkit.calibrate.tiny import CORPUS, build_tiny
     from quantkit.checkpoint.source import open_source
-    from quantkit.recipe import Recipe
+    from quantkit.quant.recipe import Recipe
 
     torch.set_num_threads(threads)
     root = Path(tempfile.mkdtemp(prefix="qk-cost-"))
@@ -261,7 +261,7 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
     # quantkit's peak above its own runtime baseline: after the imports and the tokenizer run, the kernel's
     # high-water mark is reset (Linux clear_refs 5) and the resident size then is the baseline
     ours = common + (
-        "from quantkit.convert import convert\nfrom quantkit.recipe import Recipe\n"
+        "from quantkit.convert.pipeline import convert\nfrom quantkit.quant.recipe import Recipe\n"
         "import numba, transformers.models.deepseek_v3.modeling_deepseek_v3, gc\n"
         "from quantkit.calibrate.runner import calibrate\n"
         f"r = Recipe(method='gptq', calibration={{'dataset': {str(REPO / 'calibration_data/default.jsonl')!r}, "
@@ -275,7 +275,7 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
     # GPTQ alone on the pre-tokenized windows (the tokenizer's transient memory outside the measurement)
     gptq_only = common + (
         "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
-        "from quantkit.calibrate.runner import RunOptions, run\nfrom quantkit.recipe import Recipe\n"
+        "from quantkit.calibrate.runner import RunOptions, run\nfrom quantkit.quant.recipe import Recipe\n"
         "import gc, numba, shutil, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
         f"r = Recipe(method='gptq', calibration={{'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
         f"shutil.rmtree({str(root / 'gptq')!r}, ignore_errors=True)\n"
@@ -288,7 +288,7 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
     )
     calib_only = common + (
         "from pathlib import Path\nfrom quantkit.checkpoint.source import open_source\n"
-        "from quantkit.calibrate.runner import calibrate\nfrom quantkit.recipe import Recipe\n"
+        "from quantkit.calibrate.runner import calibrate\nfrom quantkit.quant.recipe import Recipe\n"
         f"r = Recipe(method='gptq', calibration={{'dataset': {str(REPO / 'calibration_data/default.jsonl')!r}, "
         f"'samples': {samples}, 'seq_len': {seq_len}, 'seed': 0}})\n"
         f"import shutil; shutil.rmtree({str(root / 'calib')!r}, ignore_errors=True)\n"
@@ -302,7 +302,7 @@ def speed(layers: int, samples: int, seq_len: int, threads: int, keep: Path | No
     # the runtime baseline: the same interpreter, imports, tokenizer and tokens, no model work
     baseline = common + (
         "import numba, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
-        "from quantkit.convert import convert\nfrom quantkit.calibrate.runner import calibrate\n"
+        "from quantkit.convert.pipeline import convert\nfrom quantkit.calibrate.runner import calibrate\n"
     )
     res = {}
     runs = (("baseline", baseline), ("quantkit", ours), ("quantkit gptq only", gptq_only),

@@ -11,11 +11,11 @@ with pass/fail against the issue's targets. Sections:
     kernels     W4A16 GEMV/GEMM and the grouped MoE vs BF16 at GLM-5.2 / Kimi K2.6 TP8 shapes, % of the
                 HBM roofline, CUDA GEMV vs Triton, FP8 KV-cache quantization (quantkit.kernels.bench)
     integrity   the pre-decode integrity check as a share of a decode step, batch 1..64
-                (quantkit.serving.bench)
+                (quantkit.serving.integrity.bench)
     sglang_plugin  quantkit's SGLang plugins on cuda: the integrity plugin's device work per decode step
-                (record the step's new pages + the batched check, quantkit.serving.sglang_integrity), batch
+                (record the step's new pages + the batched check, quantkit.serving.integrity.sglang), batch
                 1..256, context 8K..128K, as a share of the planner's decode step; and the PD plugin's
-                BF16 -> FP8 MLA page conversion per page (quantkit.serving.sglang_pd, bench/pd_kv_pages.py)
+                BF16 -> FP8 MLA page conversion per page (quantkit.serving.pd.sglang, bench/pd_kv_pages.py)
     gptq_tiny   the tiny trained model calibrated on cuda and on the CPU, KL of each vs the source
     gptq_layer  one real-size GLM-5.2 MoE layer (256 experts, generated on the GPU from a seed) through
                 quantkit's expert statistics and GPTQ solver on cuda: seconds, peak memory, projection
@@ -363,7 +363,7 @@ def section_integrity(ctx: Context, rep: Report) -> None:
     """`TagTracker.check` per decode batch, as a share of the planner's H200 TP8 decode step."""
     device = torch_device(ctx)
     rep.device = device_name(device)
-    from quantkit.serving.bench import bench_config
+    from quantkit.serving.integrity.bench import bench_config
 
     if ctx.smoke:
         batches, contexts, pages, repeats = (1, 2), (256,), (16, 1), 1
@@ -407,8 +407,8 @@ def section_sglang_plugin(ctx: Context, rep: Report) -> None:
 
     import torch
 
-    from quantkit.serving.bench import _build, decode_step
-    from quantkit.serving.sglang_integrity import _fresh_tags
+    from quantkit.serving.integrity.bench import _build, decode_step
+    from quantkit.serving.integrity.sglang_hooks import _fresh_tags
 
     device = torch_device(ctx)
     rep.device = device_name(device)
@@ -449,9 +449,9 @@ def section_sglang_plugin(ctx: Context, rep: Report) -> None:
 
 # ---------------------------------------------------------------------------------------- GPTQ tiny
 def _smoke_source(work: Path) -> Path:
-    """A random-weight deepseek_v3 checkpoint (quantkit.synth) with the tiny models' BPE tokenizer."""
+    """A random-weight deepseek_v3 checkpoint (quantkit.checkpoint.synth) with the tiny models' BPE tokenizer."""
     from quantkit.calibrate.tiny import build_tokenizer
-    from quantkit.synth import make_checkpoint
+    from quantkit.checkpoint.synth import make_checkpoint
 
     src = make_checkpoint(work / "smoke-src", "deepseek_v3", "bf16", "tiny", mtp=False,
                           config_overrides={"vocab_size": 512})
@@ -483,7 +483,7 @@ def section_gptq_tiny(ctx: Context, rep: Report) -> None:
     from quantkit.calibrate.runner import RunOptions, run
     from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
     from quantkit.checkpoint.source import open_source
-    from quantkit.recipe import Recipe
+    from quantkit.quant.recipe import Recipe
 
     if ctx.smoke:
         src, samples, seq, windows = _smoke_source(ctx.work), 4, 64, 4
@@ -589,7 +589,7 @@ def section_gptq_layer(ctx: Context, rep: Report) -> None:
     import torch
 
     from quantkit.calibrate.moe import ExpertMoE, quantize_experts
-    from quantkit.recipe import GPTQSettings
+    from quantkit.quant.recipe import GPTQSettings
 
     settings = GPTQSettings(dampening_frac=0.01, block_size=128, actorder="static")
 

@@ -1,6 +1,6 @@
 """Cost per page of the PD plugin's BF16 -> FP8 MLA page conversion: ``python bench/pd_kv_pages.py [--device cuda]``.
 
-Times `quantkit.serving.sglang_pd.mla_pages_to_fp8` (latent / the decode layer's k_scale, cast to FP8) on pages
+Times `quantkit.serving.pd.sglang.mla_pages_to_fp8` (latent / the decode layer's k_scale, cast to FP8) on pages
 of DeepSeek / Kimi geometry (512 latent + 64 rope, BF16 in, 576 B per token out), at page sizes 1 and 64,
 best of 7 runs over a batch of pages; and the whole send-side round the plugin adds per request
 (`PageStaging.send`: gather the request's pages from each of 61 layers' BF16 buffers, convert at that layer's
@@ -18,8 +18,8 @@ import time
 import numpy as np
 import torch
 
-from quantkit.serving.pd_staging import PageStaging, StagedLayer
-from quantkit.serving.sglang_pd import mla_pages_to_fp8
+from quantkit.serving.pd.sglang import mla_pages_to_fp8
+from quantkit.serving.pd.staging import PageStaging, StagedLayer
 
 WIDTH = 512 + 64
 

@@ -22,10 +22,10 @@ import json
 import statistics
 import time
 
-from quantkit.serving import sglang_integrity as plugin
-from quantkit.serving.sglang_campaign import CampaignConfig, _Campaign, load_plugin
-from quantkit.serving.sglang_env import load_sglang
-from quantkit.serving.sglang_integrity_check import screen_batch
+from quantkit.serving.integrity import sglang as plugin
+from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign, load_plugin
+from quantkit.serving.integrity.sglang_check import screen_batch
+from quantkit.serving.integrity.sglang_env import load_sglang
 
 
 def _ints(text: str) -> list[int]:
@@ -36,7 +36,7 @@ def _engine(page_size: int, batch: int, context: int, repeats: int, guarded: boo
     """SGLang's memory objects holding ``batch`` prefilled requests (no oracle, no radix insert: setup only)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    from quantkit.serving.sglang_campaign import _spec_none
+    from quantkit.serving.integrity.campaign import _spec_none
 
     unit = max(page_size, 16)
     pages = -(-(batch * (context + (repeats + 4) * page_size + page_size)) // unit) + 4

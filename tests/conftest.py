@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.synth import make_checkpoint
+from quantkit.checkpoint.synth import make_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -30,9 +30,9 @@ import torch  # noqa: E402
 
 from quantkit.calibrate.runner import RunOptions, run  # noqa: E402
 from quantkit.checkpoint.source import open_source  # noqa: E402
-from quantkit.distributed import World  # noqa: E402
-from quantkit.errors import QuantkitError  # noqa: E402
-from quantkit.recipe import Recipe  # noqa: E402
+from quantkit.core.distributed import World  # noqa: E402
+from quantkit.core.errors import QuantkitError  # noqa: E402
+from quantkit.quant.recipe import Recipe  # noqa: E402
 
 
 def tokens(src: Path, samples: int, seq_len: int, path: Path | None) -> torch.Tensor:

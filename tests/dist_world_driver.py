@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from quantkit.distributed import World
-from quantkit.errors import QuantkitError
+from quantkit.core.distributed import World
+from quantkit.core.errors import QuantkitError
 
 world = World.from_env()
 world.start()

@@ -28,9 +28,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # forked children must not inherit a started OpenMP pool
 
 from quantkit.checkpoint.qconfig import build_quantization_config  # noqa: E402
-from quantkit.convert import convert  # noqa: E402
-from quantkit.errors import QuantkitError  # noqa: E402
-from quantkit.recipe import load_recipe  # noqa: E402
+from quantkit.convert.pipeline import convert  # noqa: E402
+from quantkit.core.errors import QuantkitError  # noqa: E402
+from quantkit.quant.recipe import load_recipe  # noqa: E402
 
 _MUTATIONS = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.copyfile", "os.truncate",
               "os.link", "os.symlink"}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quantkit.arch import Role, get_adapter
-from quantkit.errors import QuantkitError
-from quantkit.synth import tiny_config
+from quantkit.checkpoint.synth import tiny_config
+from quantkit.core.errors import QuantkitError
 
 REAL = Path(__file__).resolve().parent.parent / "quantkit" / "plan" / "configs"  # bundled copies of the releases
 

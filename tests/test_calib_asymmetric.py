@@ -19,7 +19,7 @@ from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.quant.int4 import QMAX, QMIN, dequantize_group, group_scales
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 GS = 32
 
@@ -179,14 +179,14 @@ def test_fp_stream_missing_is_an_error_not_a_silent_restart(tiny_ds, tmp_path):
     with pytest.raises(Killed):
         _run(tiny_ds, work, progress=die_after_layer_1)
     (fp_dir(work, 1) / "done").unlink()
-    from quantkit.errors import QuantkitError
+    from quantkit.core.errors import QuantkitError
 
     with pytest.raises(QuantkitError, match="layer 1 inputs are missing"):
         _run(tiny_ds, work)
 
 
 def test_expert_order_gate_up_first_changes_down_and_needs_kept_inputs(tiny_ds, asym_run, tmp_path):
-    from quantkit.errors import QuantkitError
+    from quantkit.core.errors import QuantkitError
 
     recipe = Recipe(method="gptq", calibration={"samples": 4, "seq_len": 64},
                     gptq={"asymmetric": True, "expert_order": "gate_up_first"})
@@ -217,7 +217,7 @@ def test_asymmetric_dense_linears_through_the_runner(tmp_path):
 def test_asymmetric_keeps_gptq_far_better_than_rtn_in_kl(tmp_path):
     from quantkit.calibrate.eval import evaluate_in_subprocess
     from quantkit.calibrate.tiny import CORPUS, HELDOUT
-    from quantkit.convert import convert
+    from quantkit.convert.pipeline import convert
 
     src = build_tiny("deepseek_v3")
     calib = {"dataset": str(CORPUS), "samples": 16, "seq_len": 128, "seed": 0}
@@ -234,8 +234,8 @@ def test_asymmetric_keeps_gptq_far_better_than_rtn_in_kl(tmp_path):
 @pytest.mark.parametrize("gptq", [{"asymmetric": True}, {"expert_order": "gate_up_first"}])
 def test_options_of_one_process_are_refused_across_ranks(tiny_ds, tmp_path, gptq):
     """Neither option has an expert-parallel path: across ranks they stop before any collective or write."""
-    from quantkit.distributed import World
-    from quantkit.errors import QuantkitError
+    from quantkit.core.distributed import World
+    from quantkit.core.errors import QuantkitError
 
     recipe = Recipe(method="gptq", calibration={"samples": 4, "seq_len": 64}, gptq=gptq)
     with pytest.raises(QuantkitError, match="run in one process only"):

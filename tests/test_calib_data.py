@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantkit.calibrate.data import calibration_tokens, load_records, render, tokenize_windows
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "calibration_data" / "default.jsonl"

@@ -29,7 +29,7 @@ from quantkit.calibrate.result import CalibrationResult
 from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
 from quantkit.checkpoint.source import open_source
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 DRIVER = Path(__file__).with_name("dist_calib_driver.py")
 SAMPLES, SEQ = 5, 64

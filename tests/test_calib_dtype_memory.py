@@ -17,9 +17,9 @@ from quantkit.calibrate import layers as L
 from quantkit.calibrate.moe import ExpertMoE, quantize_experts
 from quantkit.calibrate.tiny import CORPUS, build_tiny
 from quantkit.checkpoint.source import open_source
-from quantkit.convert import convert
+from quantkit.convert.pipeline import convert
 from quantkit.quant.int4 import PackedInt4
-from quantkit.recipe import GPTQSettings, Recipe
+from quantkit.quant.recipe import GPTQSettings, Recipe
 
 
 def _as_fp16(src: Path, dst: Path) -> Path:

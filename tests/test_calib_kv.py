@@ -15,7 +15,7 @@ from quantkit.calibrate import kv
 from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
 from quantkit.checkpoint.source import open_source
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 TOKENS = torch.randint(1, 500, (4, 48), generator=torch.Generator().manual_seed(0))
 
@@ -129,7 +129,7 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
     from typer.testing import CliRunner
 
     from quantkit.cli import app
-    from quantkit.convert import convert
+    from quantkit.convert.pipeline import convert
 
     int4 = tmp_path / "int4"
     convert(tiny_ds, int4, Recipe(method="rtn"))
@@ -160,7 +160,7 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
 
 
 def test_kv_scales_refuses_to_invent_a_config_for_bf16(tiny_ds, tmp_path):
-    from quantkit.errors import QuantkitError
+    from quantkit.core.errors import QuantkitError
 
     out = tmp_path / "copy"
     kv.link_checkpoint(tiny_ds, out)

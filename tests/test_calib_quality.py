@@ -12,7 +12,7 @@ import pytest
 from quantkit.arch import Role
 from quantkit.calibrate.eval import evaluate_in_subprocess
 from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 SAMPLES, SEQ = 16, 128
 
@@ -23,7 +23,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
     from quantkit.calibrate.data import calibration_tokens
     from quantkit.calibrate.reference import ignore_list, oneshot_gptq
-    from quantkit.convert import convert
+    from quantkit.convert.pipeline import convert
 
     src = build_tiny("deepseek_v3")
     root = tmp_path_factory.mktemp("quality")

@@ -15,7 +15,7 @@ from quantkit.calibrate.layer_store import layer_file
 from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
 from quantkit.checkpoint.source import open_source
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 TOKENS = torch.randint(1, 500, (4, 64), generator=torch.Generator().manual_seed(1))
 RECIPE = Recipe(method="gptq", kv_cache="fp8", calibration={"samples": 4, "seq_len": 64})

@@ -41,7 +41,7 @@ def test_validate_fails_on_a_broken_output(ckpt_factory, tmp_path, cli):
 def test_demo_runs_and_validates(tmp_path):
     from rich.console import Console
 
-    from quantkit.demo import run_demo
+    from quantkit.cli.demo import run_demo
 
     console = Console(record=True, width=120)
     result = run_demo(tmp_path / "demo", console, size="small")

@@ -7,9 +7,9 @@ import json
 import pytest
 from checkpoint_refs import fake_quant_reference, load_in_fresh_process, read_all
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.validate import validate_checkpoint
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
+from quantkit.validate.checkpoint import validate_checkpoint
 
 FAMILIES = ["glm_moe_dsa", "deepseek_v3", "glm4_moe"]
 FORMATS = ["fp8", "bf16", "int4"]

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import quantkit.convert as convert_module
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint
+import quantkit.convert.pipeline as convert_module
+from quantkit.checkpoint.synth import make_checkpoint
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = ["--max-shard-size", "64KB"]
@@ -146,7 +146,7 @@ def test_read_only_parent_is_exit_2(source, tmp_path, cli):
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from quantkit.durable import RunLock
+from quantkit.core.durable import RunLock
 RunLock(Path(sys.argv[1])).acquire()
 print("locked", flush=True)
 time.sleep(600)

@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint
+from quantkit.checkpoint.synth import make_checkpoint
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "rank_driver.py"

@@ -1,4 +1,4 @@
-"""quantkit.distributed.World: partitioning, and one rank's failure reaching every rank (gloo, 2 processes)."""
+"""quantkit.core.distributed.World: partitioning, and one rank's failure reaching every rank (gloo, 2 processes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.distributed import SINGLE, World
+from quantkit.core.distributed import SINGLE, World
 
 DRIVER = Path(__file__).with_name("dist_world_driver.py")
 

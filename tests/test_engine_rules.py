@@ -1,4 +1,4 @@
-"""quantkit's engine rules (quantkit.engines) on generated checkpoints: verdicts, args, KV-scale use, refusals.
+"""quantkit's engine rules (quantkit.engines.verdicts) on generated checkpoints: verdicts, args, KV-scale use, refusals.
 
 What the engines really do with the same checkpoints is executed in tests/engines/; these tests pin the
 decisions quantkit takes from it: the CLI contract (exit 2 and the reason), the record in quantkit.json
@@ -15,11 +15,11 @@ import sys
 import pytest
 
 from quantkit.arch import Role, get_adapter
-from quantkit.convert import convert
-from quantkit.engines import engine_verdicts, facts_from_checkpoint, facts_from_recipe, read_checkpoint_facts
-from quantkit.recipe import Recipe, load_recipe
-from quantkit.synth import make_checkpoint
-from quantkit.validate import validate_checkpoint
+from quantkit.checkpoint.synth import make_checkpoint
+from quantkit.convert.pipeline import convert
+from quantkit.engines.verdicts import engine_verdicts, facts_from_checkpoint, facts_from_recipe, read_checkpoint_facts
+from quantkit.quant.recipe import Recipe, load_recipe
+from quantkit.validate.checkpoint import validate_checkpoint
 
 
 def _convert(ckpt_factory, tmp_path, family: str, **fields):

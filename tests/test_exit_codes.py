@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import quantkit.convert
-import quantkit.validate
+import quantkit.convert.pipeline
+import quantkit.validate.checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_internal_error_is_one_line_exit_1(cli, monkeypatch, ckpt_factory, tmp_p
     def boom(*args, **kwargs):
         raise RuntimeError("a bug\nspanning lines")
 
-    monkeypatch.setattr(quantkit.convert, "convert", boom)
+    monkeypatch.setattr(quantkit.convert.pipeline, "convert", boom)
     code, _, err = cli("convert", str(ckpt_factory("glm_moe_dsa", "fp8")), str(tmp_path / "out"), "--quiet")
     assert code == 1 and err.strip() == "internal error: RuntimeError: a bug spanning lines"
 
@@ -43,7 +43,7 @@ def test_ctrl_c_is_130_with_a_resume_hint(cli, monkeypatch, ckpt_factory, tmp_pa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(quantkit.convert, "convert", interrupted)
+    monkeypatch.setattr(quantkit.convert.pipeline, "convert", interrupted)
     code, _, err = cli("convert", str(ckpt_factory("glm_moe_dsa", "fp8")), str(tmp_path / "out"), "--quiet")
     assert code == 130 and "rerun the same command to resume" in err
 
@@ -52,7 +52,7 @@ def test_full_disk_outside_convert_is_exit_2(cli, monkeypatch, tmp_path):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "report.json"))
 
-    monkeypatch.setattr(quantkit.validate, "validate_checkpoint", full)
+    monkeypatch.setattr(quantkit.validate.checkpoint, "validate_checkpoint", full)
     tmp_path.joinpath("out").mkdir()
     code, _, err = cli("validate", str(tmp_path / "out"))
     assert code == 2 and err.strip() == f"error: {tmp_path / 'report.json'}: no space left on device"

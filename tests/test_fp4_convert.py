@@ -12,10 +12,10 @@ from checkpoint_refs import read_all
 from fp4_refs import ct_compress
 
 from quantkit.checkpoint.source import open_source
-from quantkit.convert import convert
 from quantkit.convert.fp4 import fused_group, fused_groups, read_model_dtype
-from quantkit.errors import QuantkitError
-from quantkit.recipe import load_recipe
+from quantkit.convert.pipeline import convert
+from quantkit.core.errors import QuantkitError
+from quantkit.quant.recipe import load_recipe
 
 _PRESET = {"nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16"}
 
@@ -101,11 +101,11 @@ def test_fp4_conversion_resumes_to_the_same_bytes(ckpt_factory, tmp_path, monkey
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("quantkit.convert.convert_shard", dies_on_second)
+    monkeypatch.setattr("quantkit.convert.pipeline.convert_shard", dies_on_second)
     with pytest.raises(KeyboardInterrupt):
         convert(src, tmp_path / "out", _fp4_recipe("nvfp4a16"))
     assert (tmp_path / "out.partial" / "journal" / "fp4_amax.json").exists()
-    monkeypatch.setattr("quantkit.convert.convert_shard", real)
+    monkeypatch.setattr("quantkit.convert.pipeline.convert_shard", real)
     convert(src, tmp_path / "out", _fp4_recipe("nvfp4a16"))
     a, b = read_all(tmp_path / "clean"), read_all(tmp_path / "out")
     assert sorted(a) == sorted(b) and all(_same(a[n], b[n]) for n in a)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from quantkit.convert import convert
+from quantkit.convert.pipeline import convert
 from quantkit.plan.catalog import get_gpu, load_catalog
 from quantkit.plan.inventory import PrecisionPlan, format_bytes, native_plan
 from quantkit.plan.models import resolve_model
 from quantkit.plan.planner import Deployment, plan_compare, plan_one
-from quantkit.recipe import load_recipe
+from quantkit.quant.recipe import load_recipe
 
 
 def test_fp4_bytes_per_weight_include_scales():

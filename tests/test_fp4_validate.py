@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.validate import validate_checkpoint
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
+from quantkit.validate.checkpoint import validate_checkpoint
 
 
 def _check(report, name):
@@ -20,7 +20,7 @@ def peer_nvfp4(tmp_path_factory):
     from compressed_tensors.quantization import preset_name_to_scheme
     from llmcompressor import model_free_ptq
 
-    from quantkit.synth import make_checkpoint
+    from quantkit.checkpoint.synth import make_checkpoint
 
     root = tmp_path_factory.mktemp("peer")
     src = make_checkpoint(root / "src", "deepseek_v3", "bf16")

@@ -14,11 +14,11 @@ from checkpoint_refs import read_all
 from torch import nn
 
 from quantkit.calibrate.tiny import CORPUS, build_tiny
-from quantkit.convert import convert
 from quantkit.convert.fp4 import fused_groups, input_group_amax
-from quantkit.errors import QuantkitError
+from quantkit.convert.pipeline import convert
+from quantkit.core.errors import QuantkitError
 from quantkit.quant.fp4 import nvfp4_global_scale
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 SAMPLES, SEQ = 8, 64
 ROLES = ["routed_expert", "shared_expert"]  # MLA attention stays unquantized in both engines
@@ -237,7 +237,7 @@ def test_validate_refuses_unfused_input_global_scales(converted, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from quantkit.validate import validate_checkpoint
+    from quantkit.validate.checkpoint import validate_checkpoint
 
     out = tmp_path / "bad"
     shutil.copytree(converted["w4a4"], out)

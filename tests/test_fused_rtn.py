@@ -9,11 +9,11 @@ import torch
 from checkpoint_refs import read_all
 
 from quantkit.checkpoint.source import open_source
-from quantkit.convert import convert
 from quantkit.convert import worker as W
+from quantkit.convert.pipeline import convert
 from quantkit.quant import fused
 from quantkit.quant.int4 import fp8_block_to_float32, pack_int4, pack_nibbles, quantize_rtn, unpack_nibbles
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 
 def _fp8_weight(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +140,7 @@ def test_quantization_config_is_compressed_tensors_serialization(group_size, kv_
 
 
 def test_device_auto_is_cuda_only_when_a_gpu_is_present(monkeypatch):
-    from quantkit.convert import check_device
+    from quantkit.convert.pipeline import check_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert check_device("auto") == "cpu"

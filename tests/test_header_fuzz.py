@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quantkit.convert import convert
-from quantkit.errors import QuantkitError
-from quantkit.recipe import load_recipe
+from quantkit.convert.pipeline import convert
+from quantkit.core.errors import QuantkitError
+from quantkit.quant.recipe import load_recipe
 
 _VALUES = st.one_of(
     st.integers(min_value=-(2**64), max_value=2**64), st.floats(allow_nan=True), st.text(max_size=8), st.none(),

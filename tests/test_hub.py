@@ -21,9 +21,9 @@ from hub_server import HubTestServer
 
 from quantkit.checkpoint import manifest as manifest_mod
 from quantkit.checkpoint.manifest import MANIFEST_NAME, read_manifest
-from quantkit.convert import convert
+from quantkit.convert.pipeline import convert
 from quantkit.hub.card import NOT_RECORDED, write_card
-from quantkit.recipe import load_recipe
+from quantkit.quant.recipe import load_recipe
 
 TOKEN = "hf_quantkitTEST0secret0token0do0not0print"
 REPO = Path(__file__).resolve().parent.parent
@@ -169,8 +169,8 @@ def test_card_renders_the_serving_record_with_the_repo_id(out):
 
 
 def test_card_renders_a_served_evaluation(out):
-    from quantkit.evaluate.report import record
     from quantkit.evaluate.stats import compare
+    from quantkit.hub.refresh import record_eval as record
 
     comp = compare("accuracy", [1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], threshold=0.8).to_json()
     result = {"candidate": {"url": "http://int4", "model": "int4"}, "baseline": {"url": "http://fp8", "model": "fp8"},
@@ -347,7 +347,7 @@ def test_hub_ids_are_sources_for_inspect_plan_and_convert(cli, hub, source, tmp_
 
 
 def test_pull_never_writes_through_a_planted_link(cli, hub, tmp_path):
-    """quantkit.paths: a link at the pull destination or at the hub cache folder of a source is refused, exit 2."""
+    """quantkit.core.paths: a link at the pull destination or at the hub cache folder of a source is refused, exit 2."""
     hub.seed("org/tiny", {"config.json": b"{}", "model.safetensors": _tiny_safetensors()})
     victim = tmp_path / "victim"
     victim.mkdir()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from checkpoint_refs import read_all
 
-from quantkit.convert import convert
+from quantkit.convert.pipeline import convert
 from quantkit.quant.int4 import dequantize_group, mse_group_scales, pack_int4, quantize_rtn, unpack_int4
-from quantkit.recipe import load_recipe
+from quantkit.quant.recipe import load_recipe
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

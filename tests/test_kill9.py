@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.synth import make_checkpoint
+from quantkit.checkpoint.synth import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "kill9_driver.py"
@@ -71,7 +71,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
     src = make_checkpoint(tmp_path / "src", "glm_moe_dsa", "bf16", size="small", shards=2)
     out = tmp_path / "out"
     script = (
-        "import sys; from quantkit.convert import convert; from quantkit.recipe import load_recipe\n"
+        "import sys; from quantkit.convert.pipeline import convert; from quantkit.quant.recipe import load_recipe\n"
         "convert(sys.argv[1], sys.argv[2], load_recipe('glm5-w4a16-g32', {}, {'scale_search': 'mse'}), workers=2)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -6,10 +6,10 @@ import json
 
 from checkpoint_refs import read_all
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.synth import wrap_multimodal
-from quantkit.validate import validate_checkpoint
+from quantkit.checkpoint.synth import wrap_multimodal
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
+from quantkit.validate.checkpoint import validate_checkpoint
 
 
 def wrap_as_kimi_k25(src, dst):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.plan.catalog import get_gpu, load_catalog
 
 

@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from quantkit.errors import QuantkitError
-from quantkit.plan.commands import register
+from quantkit.cli.plan import register
+from quantkit.core.errors import QuantkitError
 
 # The planner's commands on their own app: quantkit.cli would also import the kernels (torch).
 app = typer.Typer()
@@ -115,8 +115,8 @@ def test_glm4_launch_command_disables_shared_expert_fusion_from_the_engine_recor
 
 
 def test_pd_json_is_the_pair_record_and_compare_prints_the_same_commands() -> None:
+    from quantkit.engines.pd import PDPair, pd_problems
     from quantkit.plan.recommend import sglang_flags
-    from quantkit.serving.pd import PDPair, pd_problems
 
     result = CliRunner().invoke(app, ["plan", "glm-5.2", "--gpu", "h200", "--tp", "8", "--pd", "--json"])
     assert result.exit_code == 0, result.output
@@ -137,8 +137,8 @@ def test_pd_split_json_is_the_plugin_record_and_gqa_models_get_none() -> None:
     """`--pd --split --json`: the production split through quantkit's SGLang plugin (BF16 KV on the prefill, the
     plugin's environment pointing at the decode's checkpoint); GLM-4.x (GQA) has none: a QuantkitError (main()
     prints it as one line, exit 2)."""
-    from quantkit.serving.pd import PDPair, pd_problems
-    from quantkit.serving.sglang_pd import DECODE_ENV, ENV, MODE
+    from quantkit.engines.pd import PDPair, pd_problems
+    from quantkit.serving.pd.sglang import DECODE_ENV, ENV, MODE
 
     result = CliRunner().invoke(app, ["plan", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--pd", "--split",
                                       "--json"])

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from quantkit.arch import Role, get_adapter
-from quantkit.convert import convert
+from quantkit.checkpoint.synth import make_checkpoint
+from quantkit.convert.pipeline import convert
 from quantkit.plan.catalog import get_gpu
 from quantkit.plan.html import write_html
 from quantkit.plan.inventory import PrecisionPlan, format_bytes, size_inventory
 from quantkit.plan.planner import Deployment
 from quantkit.plan.report import checkpoint_report
-from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint
+from quantkit.quant.recipe import load_recipe
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 
@@ -194,7 +194,7 @@ def test_plan_and_report_commands_on_a_checkpoint_directory(tiny: dict[str, Path
     import typer
     from typer.testing import CliRunner
 
-    from quantkit.plan.commands import register
+    from quantkit.cli.plan import register
 
     app = typer.Typer()
     register(app, typer.Typer(), typer.Typer())

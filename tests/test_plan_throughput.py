@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.plan.catalog import get_gpu
 from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.models import resolve_model

@@ -1,4 +1,4 @@
-"""The path-safety rule (`quantkit.paths`): a symbolic link planted at any path quantkit creates, writes, renames
+"""The path-safety rule (`quantkit.core.paths`): a symbolic link planted at any path quantkit creates, writes, renames
 onto or deletes — OUT, OUT.partial, OUT.old, the lock, the work folders, part files, journal entries, carried-over
 files, the calibration spill — is refused by name (exit 2, one line), and the link's target is left untouched."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 
 def _fingerprint(path: Path) -> dict[str, str]:
@@ -22,8 +22,8 @@ def _fingerprint(path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def identity(ckpt_factory, tmp_path_factory) -> dict:
     """The run identity of a default conversion of the fp8 source (what OUT.partial/journal/run.json holds)."""
-    from quantkit.convert import convert
-    from quantkit.recipe import load_recipe
+    from quantkit.convert.pipeline import convert
+    from quantkit.quant.recipe import load_recipe
 
     src = ckpt_factory("glm_moe_dsa", "fp8")
     out = tmp_path_factory.mktemp("ref") / "out"
@@ -120,7 +120,7 @@ def test_a_link_in_the_calibration_spill_is_refused(tmp_path):
 
 
 def test_durable_writer_and_lock_never_follow_links(tmp_path):
-    from quantkit.durable import RunLock, write_json_atomic
+    from quantkit.core.durable import RunLock, write_json_atomic
 
     victim = _victim(tmp_path, "file")
     (tmp_path / "a.json").symlink_to(victim)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import quantkit.convert as convert_module
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
+import quantkit.convert.pipeline as convert_module
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 
 
 def digest_tree(root: Path) -> dict[str, str]:

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from quantkit.serving import bench
+from quantkit.serving.integrity import bench
 
 
 def test_bench_config_times_a_clean_state_and_reports_fractions():

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from quantkit.serving.tracker import (  # noqa: E402
+from quantkit.serving.integrity.tracker import (  # noqa: E402
     DecodeBatch,
     IntegrityConfig,
     NoOpTracker,
@@ -75,7 +75,7 @@ def test_torch_check_matches_reference(seed, batch, max_len, corrupt, page_size)
 
 
 def test_torch_check_chunks_large_batches_consistently(monkeypatch):
-    import quantkit.serving.tracker as tr
+    import quantkit.serving.integrity.tracker as tr
 
     tracker, dbatch, _ = _state(7, 6, 50, 128, 5)
     whole = tracker.counts(dbatch).tolist()
@@ -86,7 +86,7 @@ def test_torch_check_chunks_large_batches_consistently(monkeypatch):
 @pytest.mark.parametrize("seed,page_size", [(1, 1), (2, 4), (3, 1)])
 def test_triton_kernel_matches_torch_path(seed, page_size):
     pytest.importorskip("triton")
-    from quantkit.serving.triton_check import check_counts_triton
+    from quantkit.serving.integrity.triton_check import check_counts_triton
 
     tracker, dbatch, lengths = _state(seed, 3, 300, 256, 6, page_size)
     starts, lens = tracker.ledger.segments(dbatch.rids)

@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.serving.commands import SIM_KEYS
+from quantkit.cli.serving import SIM_KEYS
 
 runner = CliRunner()
 

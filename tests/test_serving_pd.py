@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from quantkit.engines import engine_verdicts, facts_from_recipe
+from quantkit.engines.kv_backends import BACKENDS, sglang_default_backend
+from quantkit.engines.pd import PDPair, pd_pair, pd_problems
+from quantkit.engines.verdicts import engine_verdicts, facts_from_recipe
 from quantkit.plan.models import resolve_model
-from quantkit.recipe import load_recipe
-from quantkit.serving.kv_backends import BACKENDS, sglang_default_backend
-from quantkit.serving.pd import PDPair, pd_pair, pd_problems
+from quantkit.quant.recipe import load_recipe
 
 
 def _facts(model: str, kv_scales: bool = True):
@@ -69,8 +69,7 @@ def test_pd_pair_runs_one_scale_on_both_sides() -> None:
 
 
 def test_pd_plugin_is_a_no_op_unless_switched_on(monkeypatch) -> None:
-    from quantkit.serving import sglang_pd
-
+    from quantkit.engines.pd import sglang as sglang_pd
     monkeypatch.delenv(sglang_pd.ENV, raising=False)
     assert sglang_pd.register() is None and not sglang_pd._STATE.registered  # nothing imported, nothing hooked
     monkeypatch.setenv(sglang_pd.ENV, "fp8-to-bf16")
@@ -81,7 +80,7 @@ def test_pd_plugin_is_a_no_op_unless_switched_on(monkeypatch) -> None:
 def _staging(page: int, slots: int, scales=(1.0, 0.05), tokens: int = 8):
     import torch
 
-    from quantkit.serving.pd_staging import PageStaging, StagedLayer
+    from quantkit.serving.pd.staging import PageStaging, StagedLayer
 
     torch.manual_seed(page)
     layers = [StagedLayer((torch.randn((tokens + 1) * page, 1, 576) * 3).to(torch.bfloat16), s) for s in scales]
@@ -95,7 +94,7 @@ def test_staging_sends_every_page_converted_at_its_layers_scale(page: int) -> No
     import numpy as np
     import torch
 
-    from quantkit.serving.pd_staging import mla_pages_to_fp8
+    from quantkit.serving.pd.staging import mla_pages_to_fp8
 
     staging, layers = _staging(page, slots=3)
     assert staging.item_len == page * 576 and staging.buf_infos()[2] == [page * 576] * 2
@@ -160,7 +159,7 @@ def test_staging_shares_its_slots_between_sending_threads() -> None:
 def test_staging_refuses_a_pool_it_cannot_convert() -> None:
     import torch
 
-    from quantkit.serving.pd_staging import PageStaging, StagedLayer
+    from quantkit.serving.pd.staging import PageStaging, StagedLayer
 
     with pytest.raises(ValueError, match="BF16"):
         PageStaging([StagedLayer(torch.zeros(64, 1, 576, dtype=torch.float8_e4m3fn))], 64, "mla", 512, 64, 4)
@@ -173,8 +172,8 @@ def test_staging_refuses_a_pool_it_cannot_convert() -> None:
 def test_plugin_split_record(model: str, row: str, scale: str, arch: str) -> None:
     """The production split: prefill BF16 KV on the source with the plugin's environment, decode FP8 at the scale
     its backend applies; the wire carries the decode's dtype string and rows, so the pair's checks pass."""
-    from quantkit.serving.pd import pd_split
-    from quantkit.serving.sglang_pd import DECODE_ENV, ENV, MODE
+    from quantkit.engines.pd import pd_split
+    from quantkit.serving.pd.sglang import DECODE_ENV, ENV, MODE
 
     pair = pd_split(_facts(model), arch=arch)
     p, d = pair.prefill, pair.decode

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from quantkit.serving.sglang_campaign import FAULT_KINDS
-from quantkit.serving.sglang_integrity_check import agree_flags
+from quantkit.serving.integrity.campaign import FAULT_KINDS
+from quantkit.serving.integrity.sglang_check import agree_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "tests" / "engines" / "run_sglang_integrity.py"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from quantkit.serving.simulator import FAULT_KINDS, SimConfig, simulate
+from quantkit.serving.integrity.simulator import FAULT_KINDS, SimConfig, simulate
 
 FAULTY_EXAMPLES, FAULTY_STEPS = 12, 900  # 10,800 steps with the tag tracker and faults
 # A simulated run is seconds long: report the failing seed rather than spend minutes shrinking it.

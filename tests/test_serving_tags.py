@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantkit.serving.ledger import Ledger
-from quantkit.serving.tags import PageTagTable, _occurrence_rank
+from quantkit.serving.integrity.ledger import Ledger
+from quantkit.serving.integrity.tags import PageTagTable, _occurrence_rank
 
 
 def test_bump_changes_only_named_pages_and_counts_duplicates():

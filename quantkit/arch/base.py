@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Any, Literal
 
 from quantkit.arch.families import WRAPPERS, Family, KVLayout, Wrapper, family_of_config
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = ["Adapter", "IndexerRule", "Role", "TensorInfo", "TensorSpec", "get_adapter", "text_config"]
 

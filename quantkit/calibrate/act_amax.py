@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.distributed import SINGLE, World
+from quantkit.core.distributed import SINGLE, World
 
 __all__ = ["AmaxHooks", "LayerAmax", "merge_amax", "observe_expert"]
 

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quantkit.distributed import SINGLE, World
-from quantkit.errors import QuantkitError
-from quantkit.paths import open_write, refuse_link, replace
+from quantkit.core.distributed import SINGLE, World
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import open_write, refuse_link, replace
 
 __all__ = ["Acts", "ActsWriter", "batch_file", "write_acts"]
 

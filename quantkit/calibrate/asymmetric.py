@@ -42,9 +42,9 @@ from torch import nn
 
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows
 from quantkit.calibrate.moe import _ROWS_PER_CHUNK, ExpertMoE, _chunks, _finish, _record, _token_weights
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.quant.int4 import PackedInt4
-from quantkit.recipe import GPTQSettings
+from quantkit.quant.recipe import GPTQSettings
 
 __all__ = ["CrossAccumulator", "PairedPass", "inverse_hessian", "shifted_target", "quantize_experts_ordered"]
 

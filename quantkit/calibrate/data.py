@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = ["load_records", "render", "tokenize_windows", "calibration_tokens"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from quantkit.distributed import World
+from quantkit.core.distributed import World
 from quantkit.quant.int4 import QMAX, QMIN, group_scales, mse_group_scales, quantize_rtn
 
 __all__ = ["Factor", "HessianAccumulator", "ScaleSearch", "gptq", "prepare", "quantize_many", "quantize_rows",

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from quantkit.arch import Adapter
-from quantkit.durable import write_json_atomic
-from quantkit.errors import QuantkitError
+from quantkit.core.durable import write_json_atomic
+from quantkit.core.errors import QuantkitError
 
 __all__ = [
     "FP8_MAX",
@@ -211,9 +211,9 @@ def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
 def scale_tensors(scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, torch.Tensor]:
     """The KV-scale tensors (float32 [1]) under every name an engine or transformers reads for the family.
 
-    Names come from `quantkit.engines.kv_scale_names` (MLA needs SGLang's `k_proj.k_scale` spelling too).
+    Names come from `quantkit.engines.verdicts.kv_scale_names` (MLA needs SGLang's `k_proj.k_scale` spelling too).
     """
-    from quantkit.engines import kv_scale_names
+    from quantkit.engines.verdicts import kv_scale_names
 
     out = {}
     for layer, (k, v) in sorted(scales.items()):
@@ -284,10 +284,10 @@ def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], adapter:
 
 
 def _atomic(path: Path, write: Any) -> None:
-    from quantkit.paths import refuse_link, replace
+    from quantkit.core.paths import refuse_link, replace
 
     tmp = path.with_name(path.name + ".tmp")
-    refuse_link(tmp, path)  # safetensors' writer follows links: check the names first (quantkit.paths)
+    refuse_link(tmp, path)  # safetensors' writer follows links: check the names first (quantkit.core.paths)
     write(tmp)
     replace(tmp, path)
 

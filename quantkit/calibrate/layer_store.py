@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from quantkit.calibrate.kv import KVStats
-from quantkit.distributed import SINGLE, World
-from quantkit.durable import fsync_dir, fsync_file
-from quantkit.errors import QuantkitError
-from quantkit.paths import refuse_link, replace
+from quantkit.core.distributed import SINGLE, World
+from quantkit.core.durable import fsync_dir, fsync_file
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import refuse_link, replace
 from quantkit.quant.int4 import PackedInt4
 
 __all__ = ["layer_file", "fp_dir", "first_unfinished", "save_layer", "part_file"]

@@ -17,8 +17,8 @@ from torch import nn
 
 from quantkit.arch import family_for, text_config
 from quantkit.checkpoint.source import SourceCheckpoint
-from quantkit.distributed import SINGLE, World
-from quantkit.errors import QuantkitError
+from quantkit.core.distributed import SINGLE, World
+from quantkit.core.errors import QuantkitError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -13,7 +13,7 @@ per weight) and dequantized per use. When the calibration activations fit in RAM
 kept instead of one `down_proj` Hessian per expert, and each chunk of experts' down Hessians is built
 from them just before it is quantized — so only a chunk's Hessians exist at once.
 
-Expert-parallel (several ranks, `quantkit.distributed.World`): each rank holds only the experts it owns
+Expert-parallel (several ranks, `quantkit.core.distributed.World`): each rank holds only the experts it owns
 (`experts[e]` is None for the others). Each step, the ranks' MoE inputs (and their routing) are gathered,
 so every rank runs its experts on all the step's tokens — the statistics of an owned expert are complete
 on its rank — and the partial outputs are summed back (all_reduce), each rank keeping its own tokens'
@@ -38,9 +38,9 @@ from quantkit.calibrate.act_amax import observe_expert
 from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
 from quantkit.calibrate.memory import release_free_memory
 from quantkit.checkpoint.source import SourceCheckpoint
-from quantkit.distributed import SINGLE, World
+from quantkit.core.distributed import SINGLE, World
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
-from quantkit.recipe import GPTQSettings
+from quantkit.quant.recipe import GPTQSettings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

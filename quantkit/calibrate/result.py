@@ -16,9 +16,9 @@ from safetensors import safe_open
 
 from quantkit.arch import Adapter
 from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report
-from quantkit.durable import write_json_atomic
+from quantkit.core.durable import write_json_atomic
 from quantkit.quant.int4 import PackedInt4
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 __all__ = ["CalibrationResult", "COVERAGE_FILE", "KV_REPORT_FILE"]
 

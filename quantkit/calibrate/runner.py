@@ -57,12 +57,12 @@ from quantkit.calibrate.memory import release_free_memory
 from quantkit.calibrate.moe import ExpertMoE, module_errors, quantize_experts
 from quantkit.calibrate.result import CalibrationResult
 from quantkit.checkpoint.source import SourceCheckpoint
-from quantkit.distributed import SINGLE, World
-from quantkit.durable import write_json_atomic
-from quantkit.errors import QuantkitError
-from quantkit.paths import safe_mkdir
+from quantkit.core.distributed import SINGLE, World
+from quantkit.core.durable import write_json_atomic
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import safe_mkdir
 from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -204,7 +204,7 @@ def _check_manifest(work_dir: Path, source: SourceCheckpoint, recipe: Recipe, to
         raise QuantkitError(f"{work_dir}: rank {other} has other calibration inputs (data, recipe or source) than "
                             "rank 0; every rank must run the same command")
     if world.is_main:
-        safe_mkdir(work_dir, parents=True)  # the calibration spill: never through a link (quantkit.paths)
+        safe_mkdir(work_dir, parents=True)  # the calibration spill: never through a link (quantkit.core.paths)
         path = work_dir / "manifest.json"
         if path.exists() and json.loads(path.read_text()).get("key") != manifest["key"]:
             say("calibration: work directory was made with other inputs; starting over")

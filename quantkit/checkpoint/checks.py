@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
-from quantkit.arch import text_config
+from quantkit.arch import Adapter, text_config
 from quantkit.checkpoint.safetensors_header import ShardHeader
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
-if TYPE_CHECKING:
-    from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
-
-__all__ = ["INDEX_NAME", "PICKLE_SUFFIXES", "check_config", "check_config_size", "check_formats", "check_index",
-           "check_inventory", "link_root", "read_config", "read_json", "weight_files"]
+__all__ = [
+    "INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceView", "TensorFormat", "check_config",
+    "check_config_size", "check_formats", "check_index", "check_inventory", "link_root", "read_config", "read_json",
+    "weight_files",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -34,6 +35,41 @@ _CONFIG_INTS = (
     "kv_lora_rank", "q_lora_rank", "index_n_heads", "index_head_dim", "num_experts_per_tok",
 )
 
+# The one format vocabulary: how a logical tensor is stored, and (its most specific one) a whole checkpoint.
+# plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed: compressed-tensors.
+TensorFormat = Literal["plain", "fp8_block", "int4_packed"]
+
+
+@dataclass
+class LogicalTensor:
+    """One logical tensor and the physical tensors it is made of."""
+
+    name: str
+    fmt: TensorFormat
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype of the primary physical tensor
+    shard: str  # file holding the primary physical tensor
+    parts: dict[str, str] = field(default_factory=dict)  # physical name -> file
+    nbytes: int = 0  # source bytes of all parts
+
+
+class SourceView(Protocol):
+    """What the checks read of an opened source (`quantkit.checkpoint.source.SourceCheckpoint`)."""
+
+    root: Path
+    headers: dict[str, ShardHeader]
+    logical: dict[str, LogicalTensor]
+    adapter: Adapter
+    warnings: list[str]
+
+    @property
+    def quantization_config(self) -> dict[str, Any]: ...
+
+    @property
+    def fp8_block_size(self) -> tuple[int, int]: ...
+
+    @property
+    def int4_group_size(self) -> int | None: ...
 
 
 def read_config(root: Path) -> dict[str, Any]:
@@ -169,7 +205,7 @@ def check_config_size(path: Path, config: dict[str, Any], n_tensors: int) -> Non
                             f"{n_tensors}")
 
 
-def check_formats(source: SourceCheckpoint) -> None:
+def check_formats(source: SourceView) -> None:
     """The tensors must be what `quantization_config` says they are, and quantized parts must fit together."""
     qc = source.quantization_config
     path = source.root / "config.json"
@@ -198,7 +234,7 @@ def check_formats(source: SourceCheckpoint) -> None:
             _check_int4_scale(source, name, t)
 
 
-def _check_fp8_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> None:
+def _check_fp8_scale(source: SourceView, name: str, t: LogicalTensor) -> None:
     scale = name + "_scale_inv"
     entry = source.headers[t.parts[scale]].tensors[scale]
     bh, bw = source.fp8_block_size
@@ -211,7 +247,7 @@ def _check_fp8_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> N
                             f"expected {list(expected)} for blocks {bh}x{bw}")
 
 
-def _check_int4_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> None:
+def _check_int4_scale(source: SourceView, name: str, t: LogicalTensor) -> None:
     module = name.rsplit(".", 1)[0]
     scale = f"{module}.weight_scale"
     entry = source.headers[t.parts[scale]].tensors[scale]
@@ -225,7 +261,7 @@ def _check_int4_scale(source: SourceCheckpoint, name: str, t: LogicalTensor) -> 
                             f"does not fit weight {[rows, cols]} with group size {group}")
 
 
-def check_inventory(source: SourceCheckpoint) -> None:
+def check_inventory(source: SourceView) -> None:
     """Every tensor the config implies must be present with the shape it implies.
 
     A wholly absent MTP layer is a warning (some re-uploads strip it); a partly absent one is an error.

@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantkit.durable import write_text_atomic
-from quantkit.errors import QuantkitError
-from quantkit.paths import open_write, replace
+from quantkit.core.durable import write_text_atomic
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import open_write, replace
 
 __all__ = [
+    "MANIFEST_FILE",
+    "RECIPE_FILE",
     "DIGEST_SUFFIX",
     "MANIFEST_NAME",
     "ManifestCheck",
@@ -37,6 +39,8 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "SHA256SUMS"
+MANIFEST_FILE = "quantkit.json"  # the run record: tools, source fingerprint, every tensor's fate, serving
+RECIPE_FILE = "quantkit_recipe.yaml"  # the resolved recipe
 DIGEST_SUFFIX = ".sha256"
 _CHUNK = 8 << 20
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 if TYPE_CHECKING:  # torch is imported on first use of ST_TO_TORCH: `plan`, `inspect` and `--help` never need it
     import torch

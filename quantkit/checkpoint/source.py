@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from quantkit.arch import Adapter, get_adapter
 from quantkit.checkpoint.checks import (
     INDEX_NAME,
     PICKLE_SUFFIXES,
+    LogicalTensor,
+    TensorFormat,
     check_config,
     check_config_size,
     check_formats,
@@ -35,7 +36,7 @@ from quantkit.checkpoint.checks import (
     weight_files,
 )
 from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader, read_header
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,25 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint", "TensorFormat", "check_config",
            "link_root", "open_source", "read_config", "read_json"]
 
-# The one format vocabulary: how a logical tensor is stored, and (its most specific one) a whole checkpoint.
-# plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed: compressed-tensors.
-TensorFormat = Literal["plain", "fp8_block", "int4_packed"]
-
 _FP8_DTYPES = {"F8_E4M3"}
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
-
-
-@dataclass
-class LogicalTensor:
-    """One logical tensor and the physical tensors it is made of."""
-
-    name: str
-    fmt: TensorFormat
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype of the primary physical tensor
-    shard: str  # file holding the primary physical tensor
-    parts: dict[str, str] = field(default_factory=dict)  # physical name -> file
-    nbytes: int = 0  # source bytes of all parts
 
 
 class SourceCheckpoint:

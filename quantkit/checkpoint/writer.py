@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.manifest import write_digest
-from quantkit.durable import fsync_dir
-from quantkit.paths import open_write, replace
+from quantkit.core.durable import fsync_dir
+from quantkit.core.paths import open_write, replace
 
 __all__ = ["PlannedTensor", "StreamingShardWriter", "TORCH_TO_ST", "fsync_dir", "split_parts"]
 
@@ -80,7 +80,7 @@ class StreamingShardWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
-        self._fh = open_write(self._tmp)  # never through a link (quantkit.paths); closed in finish()/abort()
+        self._fh = open_write(self._tmp)  # never through a link (quantkit.core.paths); closed in finish()/abort()
         self._sha256 = hashlib.sha256()
         self._emit(len(raw).to_bytes(8, "little"))
         self._emit(raw)

@@ -15,7 +15,6 @@ skips the pre-pass and writes the same bytes.
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,43 +22,23 @@ import torch
 
 from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
 from quantkit.convert.plan import TensorPlan
-from quantkit.durable import write_json_atomic
-from quantkit.errors import QuantkitError
+from quantkit.core.durable import write_json_atomic
+from quantkit.core.errors import QuantkitError
 from quantkit.quant import fused
-from quantkit.quant.fp4 import PackedFP4, mxfp4_quantize, nvfp4_global_scale, nvfp4_quantize, tensor_amax
+from quantkit.quant.fp4 import (
+    PackedFP4,
+    fused_group,
+    fused_groups,
+    mxfp4_quantize,
+    nvfp4_global_scale,
+    nvfp4_quantize,
+    tensor_amax,
+)
 
 __all__ = ["AMAX_FILE", "fused_group", "fused_groups", "group_amax", "input_group_amax", "quantize_fp4_tensor",
            "read_model_dtype"]
 
 AMAX_FILE = "fp4_amax.json"
-# module-name endings the engines load into one fused parameter -> the group's tag
-_FUSED = (
-    (re.compile(r"^(.*\.)(gate_proj|up_proj)$"), "gate_up_proj"),
-    (re.compile(r"^(.*\.)(q_a_proj|kv_a_proj_with_mqa)$"), "fused_qkv_a_proj"),
-    (re.compile(r"^(.*\.)(q_proj|k_proj|v_proj)$"), "qkv_proj"),
-    (re.compile(r"^(.*\.)(w1|w3)$"), "w13"),
-)
-
-
-def fused_group(module: str) -> str | None:
-    """The fused parameter an engine loads `module` into (e.g. `...experts.3.gate_up_proj`), or None."""
-    for pattern, tag in _FUSED:
-        match = pattern.match(module)
-        if match:
-            return match.group(1) + tag
-    return None
-
-
-def fused_groups(modules: list[str]) -> dict[str, list[str]]:
-    """Fused group -> its members among `modules`, for groups with at least two members."""
-    groups: dict[str, list[str]] = {}
-    for m in modules:
-        g = fused_group(m)
-        if g is not None:
-            groups.setdefault(g, []).append(m)
-    return {g: sorted(ms) for g, ms in groups.items() if len(ms) > 1}
-
-
 def read_model_dtype(source: SourceCheckpoint, t: LogicalTensor) -> torch.Tensor:
     """The logical weight in the model dtype on the CPU, as the peer sees it: FP8-block dequantized to bf16
     (fp32 product, rounded once), INT4 dequantized, plain weights cast. NaN/Inf raise a one-line error."""

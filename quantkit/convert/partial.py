@@ -16,11 +16,11 @@ from typing import Any
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.convert.publish import WORK_DIRS, is_finished
 from quantkit.convert.worker import journal_path
-from quantkit.durable import RunLock, write_json_atomic
-from quantkit.errors import QuantkitError
-from quantkit.paths import refuse_link, safe_mkdir
-from quantkit.progress import Reporter
-from quantkit.recipe import Recipe
+from quantkit.core.durable import RunLock, write_json_atomic
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import refuse_link, safe_mkdir
+from quantkit.core.progress import Reporter
+from quantkit.quant.recipe import Recipe
 
 __all__ = ["check_out", "check_paths", "kept", "prepare_partial", "read_journal", "resumable"]
 
@@ -29,7 +29,7 @@ RUN_FILE = "run.json"
 
 def check_paths(src: Path, out: Path) -> None:
     """SRC and OUT do not overlap, OUT's parent is writable, and none of the names quantkit creates next to
-    it (OUT, OUT.partial, OUT.old) is a symbolic link (`quantkit.paths`): nothing is written through one."""
+    it (OUT, OUT.partial, OUT.old) is a symbolic link (`quantkit.core.paths`): nothing is written through one."""
     refuse_link(out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".old"))
     if out == src or out.is_relative_to(src):
         raise QuantkitError(f"{out}: refusing to write inside the source directory {src}")

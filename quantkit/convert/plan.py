@@ -18,7 +18,7 @@ from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
 from quantkit.checkpoint.writer import PlannedTensor
 from quantkit.quant.fp4 import check_fp4_shape, fp4_group_size
 from quantkit.quant.int4 import check_group_size
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 __all__ = ["TensorAction", "TensorPlan", "plan_conversion"]
 

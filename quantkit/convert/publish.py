@@ -19,19 +19,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from quantkit.checkpoint.manifest import move_digest, write_manifest
+from quantkit.checkpoint.manifest import MANIFEST_FILE, RECIPE_FILE, move_digest, write_manifest
 from quantkit.checkpoint.safetensors_header import read_header
 from quantkit.checkpoint.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckpoint, link_root
 from quantkit.convert.plan import TensorPlan
-from quantkit.durable import RunLock, fsync_dir, fsync_tree
-from quantkit.errors import QuantkitError
-from quantkit.paths import copy_file, refuse_link, replace, safe_mkdir
+from quantkit.core.durable import RunLock, fsync_dir, fsync_tree
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import copy_file, refuse_link, replace, safe_mkdir
 
-__all__ = ["WORK_DIRS", "carry_over_files", "finalize_shards", "is_finished", "publish", "run_identity",
+__all__ = ["MANIFEST_FILE", "RECIPE_FILE", "WORK_DIRS", "carry_over_files",
+           "finalize_shards", "is_finished", "publish", "run_identity",
            "source_fingerprint", "tool_versions"]
 
-RECIPE_FILE = "quantkit_recipe.yaml"
-MANIFEST_FILE = "quantkit.json"
 WORK_DIRS = ("parts", "calibration", "dist", "journal")  # removed before publishing; the journal last
 
 

@@ -31,10 +31,10 @@ from typing import TypeVar
 
 import torch
 
-from quantkit.distributed import RankFailed, World
-from quantkit.durable import write_text_atomic
-from quantkit.errors import QuantkitError
-from quantkit.paths import safe_mkdir
+from quantkit.core.distributed import RankFailed, World
+from quantkit.core.durable import write_text_atomic
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import safe_mkdir
 
 __all__ = ["DIST_DIR", "check_same_run", "check_shared_dir", "every_rank", "join", "on_main", "write_nonce"]
 

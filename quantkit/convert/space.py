@@ -14,9 +14,9 @@ from pathlib import Path
 
 from quantkit.checkpoint.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckpoint
 from quantkit.convert.plan import TensorPlan
-from quantkit.durable import tree_bytes
-from quantkit.errors import QuantkitError
-from quantkit.recipe import Recipe
+from quantkit.core.durable import tree_bytes
+from quantkit.core.errors import QuantkitError
+from quantkit.quant.recipe import Recipe
 
 __all__ = ["NeededBytes", "planned_bytes", "preflight"]
 

@@ -21,8 +21,8 @@ import torch
 from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
 from quantkit.checkpoint.writer import StreamingShardWriter, split_parts
 from quantkit.convert.plan import TensorPlan
-from quantkit.durable import fsync_dir, write_json_atomic
-from quantkit.errors import QuantkitError
+from quantkit.core.durable import fsync_dir, write_json_atomic
+from quantkit.core.errors import QuantkitError
 from quantkit.quant import fused
 from quantkit.quant.int4 import (
     PackedInt4,
@@ -32,7 +32,7 @@ from quantkit.quant.int4 import (
     quantize_group,
     quantize_rtn,
 )
-from quantkit.recipe import Recipe
+from quantkit.quant.recipe import Recipe
 
 if TYPE_CHECKING:  # workers never import the calibration stack (it pulls in transformers)
     from quantkit.calibrate.result import CalibrationResult

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.evaluate.client import Endpoint
 
 __all__ = ["Api", "fetch_logprobs", "position_kl", "score_document", "DocScore"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.evaluate.client import Endpoint
 
 __all__ = ["LmEvalOptions", "default_python", "run_task", "item_scores"]

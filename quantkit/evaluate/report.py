@@ -1,17 +1,12 @@
-"""The result of a served evaluation as text (CLI), Markdown (model card), HTML (report) and its record
-in quantkit.json["eval"]."""
+"""The result of a served evaluation as text (CLI), Markdown (model card) and HTML (report). Recording it in a
+checkpoint's quantkit.json["eval"] is `quantkit.hub.refresh.record_eval` (the card and SHA256SUMS follow)."""
 
 from __future__ import annotations
 
 import html
-import json
-import time
-from pathlib import Path
 from typing import Any
 
-from quantkit.errors import QuantkitError
-
-__all__ = ["rows", "format_text", "markdown", "html_section", "record"]
+__all__ = ["rows", "format_text", "markdown", "html_section"]
 
 HEADER = ["task", "metric", "items", "candidate", "baseline", "diff [95% CI]", "limit", "verdict", "time"]
 
@@ -70,20 +65,3 @@ def html_section(result: dict[str, Any]) -> str:
     head = "<tr>" + "".join(f"<th>{h}</th>" for h in HEADER) + "</tr>"
     return (f"<h2 id='eval'>Served evaluation: {html.escape(result['verdict'])}</h2>"
             f"<table>{head}{cells}</table>")
-
-
-def record(directory: Path, result: dict[str, Any]) -> Path:
-    """Store `result` as quantkit.json["eval"] in checkpoint `directory` (atomic rewrite of the manifest), then
-    regenerate a quantkit-written card and re-hash SHA256SUMS, so `verify` and `push` carry the result."""
-    from quantkit.durable import write_json_atomic
-
-    manifest = directory / "quantkit.json"
-    if not manifest.is_file():
-        raise QuantkitError(f"{manifest}: not found (--record takes a checkpoint directory written by quantkit)")
-    data = json.loads(manifest.read_text(encoding="utf-8"))
-    data["eval"] = {**result, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_json_atomic(manifest, data)
-    from quantkit.hub.refresh import refresh_outputs
-
-    refresh_outputs(directory, ["quantkit.json"])  # the card's Quality section and SHA256SUMS follow
-    return manifest

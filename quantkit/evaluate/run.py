@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.evaluate import kl as kl_task
 from quantkit.evaluate import toolcall
 from quantkit.evaluate.client import Endpoint
@@ -160,7 +160,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
               "baseline": {"url": cfg.baseline.url, "model": cfg.baseline.model} if cfg.baseline else None,
               "threshold_points": cfg.threshold, "limit": cfg.limit, "tasks": tasks,
               "verdict": _worst(t["verdict"] for t in tasks.values()), "answers": str(work / "answers.jsonl")}
-    from quantkit.durable import write_json_atomic
+    from quantkit.core.durable import write_json_atomic
 
     write_json_atomic(work / "result.json", result)
     return result

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.evaluate.client import Endpoint
 
 __all__ = ["ToolChoice", "load_items", "ask", "score"]

@@ -18,11 +18,11 @@ from typing import Any
 
 import yaml
 
-from quantkit.engines import ENGINES
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import open_write, refuse_link, replace
+from quantkit.engines.verdicts import ENGINES
 from quantkit.hub.card_sections import NOT_RECORDED, serving_section
 from quantkit.hub.card_sections import table as _table
-from quantkit.paths import open_write, refuse_link, replace
 
 __all__ = ["CARD_MARK", "CARD_NAME", "SOURCE_README", "is_generated_card", "render_card", "write_card"]
 
@@ -171,7 +171,7 @@ _SCHEME_TEXT = {
 
 
 def _weight_scheme(config: dict[str, Any]) -> str:
-    from quantkit.engines import scheme_of_config
+    from quantkit.engines.verdicts import scheme_of_config
 
     return scheme_of_config(config.get("quantization_config") or {})
 

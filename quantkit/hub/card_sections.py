@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quantkit.engines import ENGINES
+from quantkit.engines.verdicts import ENGINES
 
 __all__ = ["NOT_RECORDED", "serving_section", "table"]
 
@@ -49,7 +49,7 @@ def serving_section(serving: dict[str, Any] | None, model_ref: str) -> str:
 
 
 def _pd_pair(pd: dict[str, Any], model_ref: str, split: bool = False) -> str:
-    """The prefill/decode pair SGLang accepts (quantkit/serving/pd.py): three commands and what they store."""
+    """The prefill/decode pair SGLang accepts (quantkit/engines/pd.py): three commands and what they store."""
     def env(side: str) -> str:
         return "".join(f"{k}={v} " for k, v in (pd[side].get("env") or {}).items())
 

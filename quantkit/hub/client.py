@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 
 from quantkit.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file, update_manifest, verify_manifest
 from quantkit.checkpoint.source import PICKLE_SUFFIXES
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import open_write, replace, safe_mkdir
+from quantkit.core.progress import Reporter, Silent
 from quantkit.hub import ORIGIN_FILE, read_origin
 from quantkit.hub.card import CARD_NAME, is_generated_card, write_card
-from quantkit.paths import open_write, replace, safe_mkdir
-from quantkit.progress import Reporter, Silent
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -154,7 +154,7 @@ def push(
     progress: Reporter | None = None,
 ) -> PushResult:
     """Verify OUT, upload it to REPO_ID, and check the remote files against the manifest."""
-    from quantkit.validate import validate_checkpoint
+    from quantkit.validate.checkpoint import validate_checkpoint
 
     progress = progress or Silent()
     if create_pr and revision:

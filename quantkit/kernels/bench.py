@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.kernels import dispatch, reference
 
 __all__ = ["MODELS", "BenchRow", "config_dims", "linear_shapes", "moe_shapes", "run_benchmark", "run_sweep",

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = ["GPU", "get_gpu", "load_catalog"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from quantkit.arch import Role, TensorSpec, get_adapter
 from quantkit.checkpoint.safetensors_header import read_header
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = [
     "WEIGHT_PLANS",

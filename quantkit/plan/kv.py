@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = ["KV_DTYPES", "kv_bytes_per_token_per_gpu", "kv_layer_bytes"]
 

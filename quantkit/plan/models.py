@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = ["BUNDLED", "ModelSource", "bundled_names", "load_config", "resolve_model"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.arch import get_adapter
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.plan.catalog import GIB, GPU
 from quantkit.plan.inventory import (
     PrecisionPlan,

@@ -2,13 +2,13 @@
 
 Prefill is compute-bound: the plan with the highest modelled prefill speed wins, preferring BF16 KV
 (the cache it writes is read once by decode; BF16 keeps it exact). The launch commands are the PD pair
-stock SGLang accepts (`quantkit.serving.pd`): FP8 KV on both sides, the note says what the prefill gives
+stock SGLang accepts (`quantkit.engines.pd`): FP8 KV on both sides, the note says what the prefill gives
 up. Decode is bandwidth- and capacity-bound: the plan with the highest modelled throughput at the largest
 batch that fits the context wins. The numbers decide, not a fixed rule; for GLM-5.2 / Kimi on H200 they give the
 production choice (prefill FP8 + BF16 KV, decode INT4 + FP8 KV).
 
 The checkpoint-specific SGLang flags of an INT4 side (MoE backend, shared-expert fusion, what KV scale is
-really applied) come from `quantkit.engines`, the same record `convert` writes into quantkit.json.
+really applied) come from `quantkit.engines.verdicts`, the same record `convert` writes into quantkit.json.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from quantkit.arch import KVLayout
-from quantkit.engines import engine_verdicts, facts_from_recipe
-from quantkit.serving.pd import PDPair, gpu_arch, pd_pair, pd_problems, pd_split
+from quantkit.engines.pd import PDPair, gpu_arch, pd_pair, pd_problems, pd_split
+from quantkit.engines.verdicts import engine_verdicts, facts_from_recipe
 
 __all__ = ["int4_engine_args", "pd_record", "recommend", "sglang_flags"]
 
@@ -27,7 +27,7 @@ _KV_FLAGS = ("--kv-cache-dtype",)
 def int4_engine_args(config: dict[str, Any], group_size: int, kv_fp8: bool) -> tuple[list[str], str | None]:
     """SGLang's args for quantkit's default INT4 checkpoint of `config` (KV flags left to the planner),
     and a note when FP8 KV would not get calibrated scales in SGLang."""
-    from quantkit.recipe import load_recipe
+    from quantkit.quant.recipe import load_recipe
 
     roles = load_recipe(None, config).quantize_roles
     verdict = engine_verdicts(facts_from_recipe(config, group_size, roles, kv_fp8), ("sglang",))["sglang"]
@@ -81,7 +81,7 @@ def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str,
               split: bool = False) -> PDPair:
     """The PD pair for the chosen rows: prefill on the FP8 source, decode on quantkit's INT4 output; with `split`,
     the production split through quantkit's SGLang plugin (BF16 KV on the prefill; MLA/DSA models only)."""
-    from quantkit.recipe import load_recipe
+    from quantkit.quant.recipe import load_recipe
 
     roles = load_recipe(None, config).quantize_roles
     int4 = decode["weights"].startswith("int4")

@@ -15,7 +15,7 @@ from typing import Any
 
 from quantkit.arch import Adapter, get_adapter
 from quantkit.checkpoint.safetensors_header import read_header
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.plan.inventory import (
     HeaderTensor,
     SizedTensor,

@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from quantkit.arch import Adapter, Role, get_adapter
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.plan.catalog import GPU, get_gpu
 from quantkit.plan.inventory import PrecisionPlan, native_plan, size_model
 from quantkit.plan.kv import kv_layer_bytes

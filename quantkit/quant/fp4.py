@@ -24,16 +24,19 @@ CT's compressor and llm-compressor's path on bf16/fp16/fp32 inputs and the edge 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.quant import fused_fp4
 
 __all__ = [
     "FP4Scheme",
+    "fused_group",
+    "fused_groups",
     "NVFP4_GROUP",
     "MXFP4_GROUP",
     "PackedFP4",
@@ -207,3 +210,31 @@ def dequantize_mxfp4(packed: PackedFP4) -> torch.Tensor:
     values = unpack_e2m1(packed.weight_packed).unflatten(-1, (-1, MXFP4_GROUP))
     scale = torch.exp2(packed.weight_scale.float() - 127)
     return (values * scale.unsqueeze(-1)).flatten(-2)
+
+
+# module-name endings the engines load into one fused parameter -> the group's tag
+_FUSED = (
+    (re.compile(r"^(.*\.)(gate_proj|up_proj)$"), "gate_up_proj"),
+    (re.compile(r"^(.*\.)(q_a_proj|kv_a_proj_with_mqa)$"), "fused_qkv_a_proj"),
+    (re.compile(r"^(.*\.)(q_proj|k_proj|v_proj)$"), "qkv_proj"),
+    (re.compile(r"^(.*\.)(w1|w3)$"), "w13"),
+)
+
+
+def fused_group(module: str) -> str | None:
+    """The fused parameter an engine loads `module` into (e.g. `...experts.3.gate_up_proj`), or None."""
+    for pattern, tag in _FUSED:
+        match = pattern.match(module)
+        if match:
+            return match.group(1) + tag
+    return None
+
+
+def fused_groups(modules: list[str]) -> dict[str, list[str]]:
+    """Fused group -> its members among `modules`, for groups with at least two members."""
+    groups: dict[str, list[str]] = {}
+    for m in modules:
+        g = fused_group(m)
+        if g is not None:
+            groups.setdefault(g, []).append(m)
+    return {g: sorted(ms) for g, ms in groups.items() if len(ms) > 1}

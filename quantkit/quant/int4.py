@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 
 __all__ = [
     "PackedInt4",

@@ -17,9 +17,9 @@ import pytest
 from cases import REAL_MLA, Case, case_id
 from harness import run_engine_batch
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint, wrap_multimodal
+from quantkit.checkpoint.synth import make_checkpoint, wrap_multimodal
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 
 CORPUS = Path(__file__).resolve().parents[2] / "calibration_data" / "default.jsonl"
 

@@ -187,7 +187,7 @@ def compare(case: str, ckpt: str, page: int, work: Path) -> dict[str, Any]:
     """Destination pages against what the decode should hold; every other decode byte still the canary."""
     import torch
 
-    from quantkit.serving.sglang_pd import mla_pages_to_fp8
+    from quantkit.serving.pd.sglang import mla_pages_to_fp8
 
     src_all, dst_all = torch.load(work / "prefill.pt"), torch.load(work / "decode.pt")
     src, dst, dst_pages = src_all["kv"], dst_all["kv"], CASES[case]["dst"]

@@ -4,7 +4,7 @@
 
 A fresh interpreter (the stubs enter a process-wide torch mode and answer torch.cuda as an H200, so they must not
 leak into the pytest process): installs `stubs.install_sglang_stubs`, loads SGLang through
-`quantkit.serving.sglang_env.load_sglang`, calls SGLang's `load_plugins()` first with `QUANTKIT_KV_INTEGRITY`
+`quantkit.serving.integrity.sglang_env.load_sglang`, calls SGLang's `load_plugins()` first with `QUANTKIT_KV_INTEGRITY`
 unset (nothing may be registered), then with it set, and runs targeted scenarios plus the fault campaign at page
 sizes 1, 16 and 64 with immediate and staged reuse, and one unguarded control campaign.
 """
@@ -27,8 +27,7 @@ DEPS = SRC.parent.parent / "deps-sglang"
 def _hooked_targets() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from quantkit.serving import sglang_integrity as plugin
-
+    from quantkit.serving.integrity import sglang as plugin
     ours = {id(hook) for _, hook, _ in plugin.hook_table()}
     return sorted(t for t, hooks in HookRegistry._hooks.items() if any(id(h) in ours for _, h, _ in hooks))
 
@@ -43,8 +42,8 @@ def _wrapped(dotted: str) -> bool:
 def noop_then_enable() -> dict:
     import sglang.srt.plugins as plugins
 
-    from quantkit.serving import sglang_integrity as plugin
-    from quantkit.serving.sglang_campaign import load_plugin
+    from quantkit.serving.integrity import sglang as plugin
+    from quantkit.serving.integrity.campaign import load_plugin
 
     release = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids"
     os.environ.pop(plugin.ENV, None)
@@ -69,8 +68,8 @@ class _Lines(logging.Handler):
 def premature_free(version: str) -> dict:
     """One request decodes; one of its pages is freed behind its back; the next decode step must abort it,
     log it, and leave the page on the free list exactly once."""
-    from quantkit.serving import sglang_integrity as plugin
-    from quantkit.serving.sglang_campaign import CampaignConfig, _Campaign
+    from quantkit.serving.integrity import sglang as plugin
+    from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign
 
     camp = _Campaign(CampaignConfig(page_size=16, fault_rate=0.0, arrival_rate=0.0, abort_rate=0.0), version)
     camp.waiting.append(camp.request(list(range(100, 140)), max_new=40))
@@ -94,8 +93,8 @@ def premature_free(version: str) -> dict:
 def shared_prompt_rewrite(version: str) -> dict:
     """Two requests with one prompt in one prefill batch: checkpoint_into_tree rewrites the second row with the
     first's pages (freeing its own); decoding on must not abort either."""
-    from quantkit.serving import sglang_integrity as plugin
-    from quantkit.serving.sglang_campaign import CampaignConfig, _Campaign
+    from quantkit.serving.integrity import sglang as plugin
+    from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign
 
     camp = _Campaign(CampaignConfig(page_size=16, fault_rate=0.0, arrival_rate=0.0, abort_rate=0.0), version)
     prompt = list(range(500, 548))
@@ -112,8 +111,8 @@ def shared_prompt_rewrite(version: str) -> dict:
 
 
 def clear_makes_stale(version: str) -> dict:
-    from quantkit.serving import sglang_integrity as plugin
-    from quantkit.serving.sglang_campaign import CampaignConfig, _Campaign
+    from quantkit.serving.integrity import sglang as plugin
+    from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign
 
     camp = _Campaign(CampaignConfig(page_size=16, fault_rate=0.0, arrival_rate=0.0), version)
     old = plugin.tracker_of(camp.e.alloc)
@@ -123,7 +122,7 @@ def clear_makes_stale(version: str) -> dict:
 
 
 def campaigns(version: str, steps: int) -> list[dict]:
-    from quantkit.serving.sglang_campaign import CampaignConfig, run_campaign
+    from quantkit.serving.integrity.campaign import CampaignConfig, run_campaign
 
     out = []
     for i, (ps, reuse) in enumerate([(p, r) for p in (1, 16, 64) for r in ("immediate", "staged")]):
@@ -140,7 +139,7 @@ def main() -> None:
     from stubs import install_sglang_stubs
 
     install_sglang_stubs(str(SRC))
-    from quantkit.serving.sglang_env import load_sglang
+    from quantkit.serving.integrity.sglang_env import load_sglang
 
     version = load_sglang()
     report = {"version": version, "plugin": noop_then_enable()}

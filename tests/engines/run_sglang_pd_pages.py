@@ -6,7 +6,7 @@ For page sizes 1 and 64, in a forked child that published SGLang's server args f
 - MLA: a BF16 prefill pool and an FP8 decode pool, both SGLang's `MLATokenToKVPool`; the same latents (two full
   pages) are written into each by `TritonAttnBackend.forward_decode` (run_sglang_attn.py's harness; the decode
   layer holds the calibrated scale, the prefill layer none); the prefill's pages, converted by
-  `quantkit.serving.sglang_pd.mla_pages_to_fp8`, are compared byte for byte with the decode's pages.
+  `quantkit.serving.pd.sglang.mla_pages_to_fp8`, are compared byte for byte with the decode's pages.
 - DSA: `MLATokenToKVPool(use_dsa=True)` BF16 and FP8 with SGLang's 656 B rows (`override_kv_cache_dim` from
   `calculate_mla_kv_cache_dim`'s formula), written by the pool's `set_mla_kv_buffer` (the DSA write path:
   `quantize_k_cache_separate` per-tile quantization); converted by `dsa_pages_to_fp8`, compared the same way.
@@ -89,7 +89,7 @@ def _pages(pool: Any, page: int, first: int, count: int) -> Any:
 def compare(page: int, scale: float) -> dict[str, Any]:
     import torch
 
-    from quantkit.serving.sglang_pd import dsa_pages_to_fp8, mla_pages_to_fp8
+    from quantkit.serving.pd.sglang import dsa_pages_to_fp8, mla_pages_to_fp8
 
     pool_module = __import__("sglang.srt.mem_cache.memory_pool", fromlist=["x"])
     for name, factory in attn.POOL_PATCH.items():

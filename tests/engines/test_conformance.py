@@ -16,7 +16,7 @@ import re
 import pytest
 from cases import ALL_CASES, Case, engine_params
 
-from quantkit.engines import ENGINES
+from quantkit.engines.verdicts import ENGINES
 
 EXPERTS = re.compile(r"\.mlp\.experts(\.routed_experts)?$")  # vLLM names the fused MoE routed_experts
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

@@ -23,9 +23,9 @@ from cases import REAL_MLA
 from harness import run_engine_batch
 from test_conformance import _LAYER, _kv_values
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint, wrap_multimodal
+from quantkit.checkpoint.synth import make_checkpoint, wrap_multimodal
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 
 CORPUS = Path(__file__).resolve().parents[2] / "calibration_data" / "default.jsonl"
 FP4Case = tuple[str, str, str, str | None]  # family, source format, scheme, KV (None | "fp8": calibrated scales)

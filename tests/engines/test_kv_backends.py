@@ -4,7 +4,7 @@
 quantkit's calibrated scale of layer 0, up to the attention kernel (stubbed: it records its arguments). From what
 ran: does the pool hold latent / scale (the write divided) or a plain cast, and is the kernel handed the scale
 (the read multiplies)? Consistent = both; ignored = neither (scale 1.0 in effect); inconsistent = only one.
-The table in `quantkit.serving.kv_backends` and the serving record must agree with that.
+The table in `quantkit.engines.kv_backends` and the serving record must agree with that.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from harness import HERE, REPO, SOURCES, EngineRunError
 from safetensors import safe_open
 
-from quantkit.serving.kv_backends import BACKENDS
+from quantkit.engines.kv_backends import BACKENDS
 
 MLA_CASE = ("deepseek_v3", "fp8", 32, "fp8")  # calibrated MLA KV scales
 EXECUTED = ("triton", "flashmla", "trtllm_mla", "cutedsl_mla", "flashinfer", "fa3")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from harness import HERE, REPO, SOURCES, EngineRunError
 
-from quantkit.serving.pd import PDPair, pd_problems
+from quantkit.engines.pd import PDPair, pd_problems
 
 MLA_CASE = ("deepseek_v3", "fp8", 32, "fp8")  # FP8 source, INT4 output with calibrated MLA KV scales
 DSA_CASE = ("glm_moe_dsa", "fp8", 32, None)
@@ -89,7 +89,7 @@ def test_todays_printed_pair_is_refused_by_sglang(sglang_pd) -> None:
 def test_string_rule_auto_resolves_only_with_a_kv_cache_scheme(sglang_pd) -> None:
     """SGLang compares strings: `auto` on the INT4 output (static FP8 kv_cache_scheme) becomes fp8_e4m3, `auto`
     on the FP8 source stays `auto`; `auto` vs `bf16` is refused although both pools are BF16."""
-    from quantkit.serving.pd import resolve_kv_dtype_str
+    from quantkit.engines.pd import resolve_kv_dtype_str
 
     both = sglang_pd["reports"]["auto-both"]
     assert both["decode"]["kv_cache_dtype_str"] == resolve_kv_dtype_str("auto", True) == "fp8_e4m3"
@@ -133,7 +133,7 @@ def test_validate_refuses_a_pair_sglang_refuses(converted, tmp_path) -> None:
     import shutil
     from dataclasses import replace
 
-    from quantkit.validate import validate_checkpoint
+    from quantkit.validate.checkpoint import validate_checkpoint
 
     out = tmp_path / "out"
     shutil.copytree(converted(MLA_CASE)[1], out)

@@ -24,9 +24,9 @@ import pytest
 from harness import run_engine, run_engine_batch
 from safetensors.torch import load_file, save_file
 
-from quantkit.convert import convert
-from quantkit.recipe import load_recipe
-from quantkit.synth import make_checkpoint, wrap_multimodal
+from quantkit.checkpoint.synth import make_checkpoint, wrap_multimodal
+from quantkit.convert.pipeline import convert
+from quantkit.quant.recipe import load_recipe
 
 MTP_LAYER = 3  # the tiny models have 3 layers; the MTP layer follows them
 

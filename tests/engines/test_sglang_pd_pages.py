@@ -46,8 +46,8 @@ def test_plugin_reads_the_split_record_and_the_decodes_scales(converted) -> None
     checks the split."""
     from safetensors import safe_open
 
-    from quantkit.serving.sglang_pd import decode_target
-    from quantkit.validate import validate_checkpoint
+    from quantkit.serving.pd.sglang import decode_target
+    from quantkit.validate.checkpoint import validate_checkpoint
 
     out = converted(MLA_CASE)[1]
     split = json.loads((out / "quantkit.json").read_text())["serving"]["sglang"]["pd_split"]

@@ -28,8 +28,8 @@ from harness import SOURCES, run_engine
 from safetensors.torch import load_file, save_file
 
 from quantkit.calibrate.tiny import build_tokenizer
+from quantkit.checkpoint.synth import make_checkpoint
 from quantkit.quant.int4 import pack_int4, quantize_rtn
-from quantkit.synth import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not SOURCES["vllm"].is_dir(), reason="vLLM wheel not unpacked: run `make engines`")
 
