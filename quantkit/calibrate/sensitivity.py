@@ -87,8 +87,8 @@ class SensitivityOptions:
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the table (method details for the docs)
 
 
-def run_sensitivity(source: SourceCheckpoint, work_dir: Path, opts: SensitivityOptions, progress: Progress | None = None,
-                    world: World = SINGLE) -> SensitivityTable:
+def run_sensitivity(source: SourceCheckpoint, work_dir: Path, opts: SensitivityOptions,
+                    progress: Progress | None = None, world: World = SINGLE) -> SensitivityTable:
     """Score every unit of `source` in every format of `opts` (see the module docstring); every rank calls it."""
     say = progress or (lambda _m: None)
     if opts.tokens is None:

@@ -29,13 +29,12 @@ import torch
 from torch import nn
 
 from quantkit.calibrate.moe import ExpertMoE
-from quantkit.core.distributed import SINGLE, World
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["FakeQuant", "Fits", "Kept", "LayerUnits", "UnitSpec", "backward_batch", "differentiable_routing", "idle_backward",
-           "layer_call", "score_units"]
+__all__ = ["FakeQuant", "Fits", "Kept", "LayerUnits", "UnitSpec", "backward_batch", "differentiable_routing",
+           "idle_backward", "layer_call", "score_units"]
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]  # fp32 weight -> its quantize-dequantize value (fp32)
 Fits = Callable[[str, tuple[int, int]], bool]  # format name, weight shape -> whether the format can store it

@@ -34,9 +34,11 @@ def _register_all() -> None:
     from quantkit.cli import convert as convert_commands
     from quantkit.cli import hub as hub_commands
     from quantkit.cli import kernels as kernel_commands
+    from quantkit.cli import mixed as mixed_commands
     from quantkit.cli import plan as plan_commands
     from quantkit.cli import serving as serving_commands
-    modules = (convert_commands, calibrate_commands, plan_commands, kernel_commands, serving_commands, hub_commands)
+    modules = (convert_commands, calibrate_commands, plan_commands, kernel_commands, serving_commands, hub_commands,
+               mixed_commands)
     for module in modules:
         module.register(app, bench_app, simulate_app)
 

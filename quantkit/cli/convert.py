@@ -106,6 +106,15 @@ def convert_cmd(
     device: str = typer.Option("auto", help="Where RTN and calibration compute: auto (CUDA when present) | cpu | "
                                "cuda | cuda:N (same bytes for RTN)."),
     max_shard_size: Optional[str] = typer.Option(None, help="Largest output shard, e.g. 5GB."),  # noqa: UP045
+    max_size: Optional[str] = typer.Option(None, help="Budget: bytes of the output's shards (421GB, 392GiB, "  # noqa: UP045
+                                           "or a byte count); each unit's format chosen for the least predicted KL."),
+    fit: Optional[str] = typer.Option(None, help="Budget: the deployment GPU:N (e.g. h200:8) with --kv-tokens or "  # noqa: UP045
+                                      "--context and --concurrency (docs/mixed-precision.md)."),
+    kv_tokens: Optional[int] = typer.Option(None, help="With --fit: KV tokens the deployment holds."),  # noqa: UP045
+    context: Optional[int] = typer.Option(None, help="With --fit: tokens per request."),  # noqa: UP045
+    concurrency: Optional[int] = typer.Option(None, help="With --fit: requests at once."),  # noqa: UP045
+    sensitivity: Optional[Path] = typer.Option(None, help="With a budget: a table from `quantkit sensitivity` "  # noqa: UP045
+                                               "(default: measured first, kept as OUT.sensitivity.json)."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
     quiet: bool = typer.Option(False, help="No progress output."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -129,6 +138,16 @@ def convert_cmd(
                  "calibration.dataset": calib, "calibration.samples": samples, "calibration.seq_len": seq_len,
                  "max_shard_size": max_shard_size}
     resolved = load_recipe(recipe, config, overrides)
+    from quantkit.cli.mixed import apply_budget, plan_lines
+
+    budget_options = {"max_size": max_size, "fit": fit, "kv_tokens": kv_tokens, "context": context,
+                      "concurrency": concurrency, "sensitivity": sensitivity}
+    say = (lambda m: None) if quiet or as_json else (lambda m: console.print(m, highlight=False))
+    resolved, budgeted = apply_budget(src, out, resolved, config, budget_options, method is not None, device, world,
+                                      say)
+    if budgeted is not None:
+        for line in plan_lines(budgeted):
+            say(line)
     if resolved.scheme == "nvfp4" and calib is None:
         raise QuantkitError("--scheme nvfp4 (W4A4) needs activation global scales from calibration: pass --calib "
                             "DATA (or use nvfp4a16, data-free)")
@@ -140,6 +159,8 @@ def convert_cmd(
     summary = {"out": str(result.out), "source_bytes": result.source_bytes, "output_bytes": result.output_bytes,
                "seconds": round(result.seconds, 2), "actions": result.actions, "resumed_shards": result.resumed_shards,
                "recipe": resolved.name, "warnings": result.warnings}
+    if budgeted is not None:
+        summary["budget"] = budgeted.summary()
     if as_json:
         _emit_json(summary)
     elif not quiet:

@@ -82,6 +82,11 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
             "(BF16 KV on the prefill, FP8 pages converted in transit; MLA/DSA models)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        sensitivity: Path | None = typer.Option(
+            None, "--sensitivity", help="A table of this model (`quantkit sensitivity`): the mixed plans that fit, "
+            "with their predicted KL."
+        ),
+        html_path: Path | None = typer.Option(None, "--html", help="With --sensitivity: KL against size, as HTML."),
     ) -> None:
         """Will it fit, how many tokens of KV, how many requests, how fast: per precision plan, per GPU."""
         from quantkit.arch import get_adapter
@@ -100,6 +105,19 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         from quantkit.hub.client import is_hub_id, resolve_source
 
         source = resolve_model(str(resolve_source(model, config_only=True)) if is_hub_id(model) else model)
+        if sensitivity is not None:
+            from quantkit.calibrate.sensitivity_table import load_table
+            from quantkit.plan.frontier import frontier_html, frontier_report, frontier_text
+
+            rep = frontier_report(source, dep, kv, load_table(sensitivity))
+            if html_path is not None:
+                frontier_html(rep, html_path)
+            if as_json:
+                _print_json(rep)
+                return
+            typer.echo(frontier_text(rep))
+            if not compare:
+                return
         if compare or pd:
             rows = plan_compare(source, dep, group_size)
             rec = recommend(rows, source.config, group_size)

@@ -1,0 +1,111 @@
+"""`convert --max-size / --fit`: the sensitivity table (given, or measured first), the solver, the recipe.
+
+    sensitivity (OUT.sensitivity/ work directory, resumable; or --sensitivity S.json)
+    -> costs of every unit per candidate format (plan/mixed.py) -> the plan of least predicted KL within the budget
+    -> the recipe with that plan (`Recipe.units`), converted as any recipe
+
+A budget below the smallest loadable plan is refused before anything is written (exit 2, one line naming the
+smallest reachable size). The table is kept next to the output (`OUT.sensitivity.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantkit.calibrate.sensitivity_table import SensitivityTable, load_table
+from quantkit.core.distributed import SINGLE, World
+from quantkit.core.errors import QuantkitError
+from quantkit.engines.mixed import plan_refusals
+from quantkit.plan.budget import Budget
+from quantkit.plan.mixed import Solution, model_costs, solve
+from quantkit.quant.precision import PrecisionPlan
+from quantkit.quant.recipe import Recipe
+
+__all__ = ["BudgetedRecipe", "budgeted_recipe", "table_path", "work_path"]
+
+
+@dataclass
+class BudgetedRecipe:
+    recipe: Recipe
+    solution: Solution
+    table: SensitivityTable
+    budget: Budget
+
+    def summary(self) -> dict[str, Any]:
+        return {"budget": self.budget.to_json(), **self.solution.to_json()}
+
+
+def work_path(out: Path) -> Path:
+    return out.with_name(out.name + ".sensitivity")
+
+
+def table_path(out: Path) -> Path:
+    return out.with_name(out.name + ".sensitivity.json")
+
+
+def budgeted_recipe(src: Path, out: Path, recipe: Recipe, config: dict[str, Any], budget: Budget,
+                    sensitivity: Path | None = None, device: str | None = None, world: World = SINGLE,
+                    progress: Callable[[str], None] | None = None) -> BudgetedRecipe:
+    """The recipe whose per-unit plan fits `budget` with the least predicted KL (every rank calls it)."""
+    say = progress or (lambda _m: None)
+    if recipe.units:
+        raise QuantkitError(f"recipe {recipe.name}: it already has per-unit formats (units:); a budget chooses them")
+    table = load_table(sensitivity) if sensitivity is not None else None
+    if table is not None and table.model_type != str(config.get("model_type")):
+        raise QuantkitError(f"{sensitivity}: a sensitivity table of a {table.model_type} model, not "
+                            f"{config.get('model_type')}")
+    fp8 = _fp8_source(config)
+    fp4 = recipe.fp4 == "nvfp4"
+    costs_probe = model_costs(config, None, tp=budget.fit.n if budget.fit else 8, fp8_source=fp8, fp4=fp4,
+                              pinned_format=recipe.uniform_format.name)
+    from quantkit.plan.mixed import smallest
+
+    low = smallest(costs_probe, budget.axis)
+    if budget.limit < low:  # refused before any sensitivity work: the cheapest plan does not fit
+        what = "checkpoint size" if budget.axis == "bytes" else "weights per GPU"
+        raise QuantkitError(f"budget {budget.label} is below the smallest loadable plan ({what} {low:,} B, "
+                            f"{low / 2**30:.2f} GiB)")
+    if table is None:
+        from quantkit.calibrate.sensitivity_run import sensitivity_of
+
+        c = recipe.calibration
+        if not c.dataset:
+            raise QuantkitError("a budget needs calibration data for the sensitivity pass (pass --calib FILE)")
+        say(f"sensitivity: {c.samples} x {c.seq_len} tokens of {c.dataset}")
+        world.start()  # under torchrun: the ranks join before the first collective (idempotent)
+        table = sensitivity_of(src, c.dataset, work_path(out), samples=c.samples, seq_len=c.seq_len,
+                               device=device, world=world, progress=say, seed=c.seed)
+        if world.is_main:
+            from quantkit.calibrate.sensitivity import write_table
+
+            write_table(table, table_path(out))
+            shutil.rmtree(work_path(out), ignore_errors=True)
+        world.barrier()
+    costs = model_costs(config, table, tp=budget.fit.n if budget.fit else 8, fp8_source=fp8, fp4=fp4,
+                        dp_attention=budget.fit.dp_attention if budget.fit else False,
+                        speculative=budget.fit.assumptions.speculative if budget.fit else False,
+                        pinned_format=recipe.uniform_format.name)
+    solution = solve(costs, budget.limit, budget.axis)
+    plan = PrecisionPlan(units=solution.units, predicted_kl=solution.predicted_kl)
+    from quantkit.arch import get_adapter
+
+    refused = plan_refusals(plan, get_adapter(config))
+    if refused:
+        raise QuantkitError(f"the solver's plan is refused: {refused[0].line()}")
+    data = recipe.model_dump(mode="json")
+    data["units"] = dict(solution.units)
+    return BudgetedRecipe(Recipe.model_validate(data), solution, table, budget)
+
+
+def _fp8_source(config: dict[str, Any]) -> bool:
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    return qc.get("quant_method") == "fp8"
+
+
+def plan_json(result: BudgetedRecipe) -> str:
+    return json.dumps(result.summary(), indent=2)
