@@ -355,6 +355,10 @@ def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
         role, why = next(iter(refused.items()))
         raise QuantkitError(f"recipe {recipe.name}: quantize_roles has {role.value!r}, but {why}; "
                             "remove it from quantize_roles")
+    if recipe.mixed:
+        from quantkit.engines.mixed import check_plan_loadable
+
+        check_plan_loadable(recipe, adapter)
 
 
 def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, Any]:
@@ -386,7 +390,12 @@ def _write_metadata(
     config = dict(source.config)
     ignore = source.adapter.ignore_patterns(set(recipe.quantize_roles))
     kv = calibration is not None and bool(calibration.kv_scales)
-    if recipe.fp4 is None:
+    precision = None
+    if recipe.mixed:
+        from quantkit.convert.precision import mixed_metadata
+
+        config["quantization_config"], precision = mixed_metadata(source, recipe, plans, kv)
+    elif recipe.fp4 is None:
         config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
     else:
         config["quantization_config"] = build_fp4_quantization_config(recipe.scheme, ignore, kv_cache=kv)
@@ -416,6 +425,8 @@ def _write_metadata(
         "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
         "tensors": tensors,
     }
+    if precision is not None:  # per-unit plans only: a uniform recipe's quantkit.json is as it always was
+        manifest["precision"] = precision
     write_json_atomic(partial / MANIFEST_FILE, manifest)
     return sum(shard_bytes.values())
 

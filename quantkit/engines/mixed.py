@@ -12,6 +12,11 @@ findings (docs/mixed-precision.md):
   `CompressedTensorsWNA16MoE.__init__` checks the top-level format, so quantkit writes `pack-quantized` with the
   per-group formats kept (vLLM reads the group's format either way). An FP8-block MoE layer gets no runner
   under `--moe-runner-backend marlin` (`CompressedTensorsW8A8Fp8MoE.create_moe_runner`): such plans pin `auto`.
+- An FP8-block group also targets `Linear`: SGLang's merged FP8 Linears (a dense MLP's or shared experts'
+  `gate_up_proj`) read their block from `weight_block_size`, which looks only at the `Linear` target (executed:
+  without it, `TypeError` in linear.py weight_loader_v2).
+- GLM-4.x in SGLang: `Glm4MoeSparseMoeBlock.__init__` reads `shared_experts.gate_up_proj.weight` — INT shared
+  experts fail (executed: AttributeError); FP8-block or BF16 shared experts load.
 - FP4 groups beside INT / FP8 groups: the top-level format would be `mixed-precision` again, and SGLang's
   NVFP4 MoE scheme selection reads the top-level format too; not executed, so refused.
 """
@@ -22,11 +27,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from quantkit.arch import Adapter
-from quantkit.quant.precision import PrecisionPlan
+from quantkit.core.errors import QuantkitError
+from quantkit.quant.precision import PrecisionPlan, resolve_precision
+from quantkit.quant.recipe import Recipe
 from quantkit.quant.scheme import FORMATS, FormatName
 from quantkit.quant.units import Unit
 
-__all__ = ["Refusal", "candidate_formats", "plan_refusals", "sglang_moe_backend", "top_level_format"]
+__all__ = ["Refusal", "candidate_formats", "check_plan_loadable", "plan_refusals", "sglang_moe_backend",
+           "top_level_format"]
 
 Engine = Literal["sglang", "vllm"]
 MoeBackend = Literal["marlin", "auto"]
@@ -80,15 +88,34 @@ def plan_refusals(plan: PrecisionPlan, adapter: Adapter, engines: tuple[Engine, 
     for unit, name in plan.units.items():
         if not FORMATS[name].mixable:
             out += [Refusal(e, unit, f"{name} is a uniform-recipe format only") for e in engines]
-    del adapter  # the per-family rules live in the unit definitions (quantkit/quant/units.py)
+        elif (unit.endswith(".shared_experts") and FORMATS[name].kind == "int" and "sglang" in engines
+              and adapter.record.quirks.sglang_int_shared_experts_fail):
+            out.append(Refusal("sglang", unit, _INT_SHARED))
     return out
 
 
-def candidate_formats(unit: Unit, fp8_source: bool = False, fp4: bool = False) -> list[FormatName]:
-    """The formats a solver may give `unit` (all of them load in both engines under the pinned backends)."""
+_INT_SHARED = ("INT shared experts fail in SGLang for this family: Glm4MoeSparseMoeBlock.__init__ reads "
+               "shared_experts.gate_up_proj.weight, which a pack-quantized Linear does not have (glm4_moe.py)")
+
+
+def candidate_formats(unit: Unit, fp8_source: bool = False, fp4: bool = False,
+                      adapter: Adapter | None = None) -> list[FormatName]:
+    """The formats a solver may give `unit`: all of them load in both engines under the pinned backends
+    (`fp4`: a Blackwell target's NVFP4A16 menu; FP4 does not mix with INT / FP8 units)."""
+    if fp4:
+        return ["nvfp4a16", "bf16"]
     names: list[FormatName] = ["int4-g32", "int4-g64", "int4-g128", "int8-g128", "bf16"]
     if fp8_source:
         names.append("fp8-block")
-    if fp4:
-        names = ["nvfp4a16", "bf16"]
+    if unit.kind == "shared_experts" and adapter is not None and adapter.record.quirks.sglang_int_shared_experts_fail:
+        names = [n for n in names if FORMATS[n].kind != "int"]
     return names
+
+
+def check_plan_loadable(recipe: Recipe, adapter: Adapter, engines: tuple[Engine, ...] = ("sglang", "vllm")) -> None:
+    """Refuse, before anything is written, a per-unit recipe an engine would not load: one line naming the engine,
+    the unit and the rule."""
+    refusals = plan_refusals(resolve_precision(recipe, adapter), adapter, engines)
+    if refusals:
+        more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+        raise QuantkitError(f"recipe {recipe.name}: {refusals[0].line()}{more}")
