@@ -14,7 +14,9 @@ from checkpoint_refs import read_all
 from safetensors.torch import load_file, save_file
 
 from quantkit.calibrate import layers as L
-from quantkit.calibrate.moe import ExpertMoE, quantize_experts
+from quantkit.calibrate.experts import quantize_experts
+from quantkit.calibrate.gptq import GPTQScheme
+from quantkit.calibrate.moe import ExpertMoE
 from quantkit.calibrate.tiny import CORPUS, build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.convert.pipeline import convert
@@ -85,7 +87,7 @@ def test_experts_held_in_model_dtype_then_packed(layer):
     with torch.no_grad():
         before = moe(probe)
     _collect(module, cfg, keep_inputs=True)
-    packed, records = quantize_experts(moe, "x.", 1, 32, GPTQSettings(), source.model_dtype)
+    packed, records = quantize_experts(moe, "x.", 1, GPTQScheme(32, 4, source.model_dtype, GPTQSettings()))
     moe.stop_collecting()
     assert all(isinstance(w, PackedInt4) for e in moe.experts for w in e.values())
     assert len(packed) == 3 * len(moe.experts) and all(r["samples"]["down"] == 128 for r in records)
@@ -141,7 +143,7 @@ def _quantize_counting_held(moe: ExpertMoE, source, monkeypatch) -> tuple[dict[s
         held[0] = max(held[0], sum(isinstance(w, torch.Tensor) for e in moe.experts for w in e.values()))
 
     monkeypatch.setattr(moe, "load", counting_load)
-    packed, _ = quantize_experts(moe, "x.", 1, 32, GPTQSettings(), source.model_dtype)
+    packed, _ = quantize_experts(moe, "x.", 1, GPTQScheme(32, 4, source.model_dtype, GPTQSettings()))
     return packed, held[0]
 
 

@@ -21,7 +21,7 @@ from quantkit.quant.scheme import FORMATS, FormatName, WeightFormat
 from quantkit.quant.units import Unit, UnitKind
 
 __all__ = ["build_fp4_quantization_config", "build_mixed_quantization_config", "build_quantization_config",
-           "FP8_KV_CACHE_SCHEME", "format_of_group", "group_of_module", "is_per_unit", "mixed_ignore",
+           "FP8_KV_CACHE_SCHEME", "format_of_group", "group_of_module", "is_ignored", "is_per_unit", "mixed_ignore",
            "unit_formats_of_config", "unit_target"]
 
 FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -174,11 +174,16 @@ def _matches(target: str, name: str) -> bool:
     return bool(re.match(target[3:], name)) if target.startswith("re:") else target == name
 
 
+def is_ignored(qc: dict[str, Any], module: str) -> bool:
+    """Whether an `ignore` entry matches `module` (exactly or by `re.match`)."""
+    return any(_matches(t, module) for t in qc.get("ignore") or [])
+
+
 def group_of_module(qc: dict[str, Any], module: str) -> dict[str, Any] | None:
     """The config group a Linear `module` gets, as SGLang's and vLLM's `find_matched_target` decide it: None when
     an `ignore` entry matches; else the first group (config order) with a target matching the name (`re.match` or
     exact), else one targeting the class `Linear`; None when nothing matches."""
-    if any(_matches(t, module) for t in qc.get("ignore") or []):
+    if is_ignored(qc, module):
         return None
     groups = list((qc.get("config_groups") or {}).values())
     for group in groups:

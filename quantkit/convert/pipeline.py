@@ -66,6 +66,7 @@ from quantkit.convert.worker import ShardJob, convert_shard, part_name
 from quantkit.core.distributed import RankFailed, World, clear_failures
 from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
 from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import make_parents
 from quantkit.core.progress import Reporter, Silent
 from quantkit.engines.record import serving_record
 from quantkit.engines.verdicts import facts_from_checkpoint, unloadable_roles
@@ -184,6 +185,7 @@ def _start(
     """Rank 0: OUT checks, free-space preflight, the run lock (kept in `lock_held` until the end), then
     resume or discard OUT.partial; with several ranks, clear old failure records and write the nonce."""
     check_out(out, identity, force)
+    make_parents(out)  # a fresh OUT path: its missing parents, each created under the path rule
     preflight(partial, needed, resumable(partial, identity))
     lock = RunLock(partial)
     created = not partial.exists()

@@ -16,9 +16,9 @@ from quantkit.checkpoint.source import LogicalTensor, SourceCheckpoint
 from quantkit.checkpoint.writer import PlannedTensor
 from quantkit.core.errors import QuantkitError
 from quantkit.quant.fp4 import check_fp4_shape
-from quantkit.quant.precision import PrecisionPlan, resolve_precision
+from quantkit.quant.precision import PrecisionPlan, resolve_precision, tensor_format
 from quantkit.quant.recipe import Recipe
-from quantkit.quant.scheme import FORMATS, WeightFormat
+from quantkit.quant.scheme import WeightFormat
 from quantkit.quant.units import unit_of
 
 __all__ = ["TensorAction", "TensorPlan", "plan_conversion"]
@@ -87,12 +87,7 @@ def _plan_tensor(source: SourceCheckpoint, recipe: Recipe, roles: set[Role], nam
     unit = unit_of(source.adapter, name) if precision is not None and weight else None
     plan = TensorPlan(name, "keep", info.role, info.layer, t, unit=unit)
     where = f"{source.root / t.shard}: tensor {name}"
-    fmt: WeightFormat | None
-    if unit is not None:
-        assert precision is not None
-        fmt = FORMATS[precision.units[unit]]
-    else:
-        fmt = recipe.uniform_format if info.role in roles and weight else None
+    fmt = tensor_format(recipe, source.adapter, precision, name) if weight else None
     m = plan.module
     if fmt is not None and fmt.kind == "fp8":
         if t.fmt != "fp8_block":

@@ -26,6 +26,7 @@ __all__ = [
     "QMIN",
     "check_group_size",
     "dequantize_group",
+    "dequantize_packed",
     "fp8_block_to_float32",
     "group_scales",
     "mse_group_scales",
@@ -245,3 +246,12 @@ def pack_int(q: torch.Tensor, scale: torch.Tensor, bits: IntBits = 4) -> PackedI
 def unpack_int(packed: torch.Tensor, bits: IntBits = 4) -> torch.Tensor:
     """int8 codes `[out, in]` from either packed layout (fast paths; see `pack_nibbles` / `pack_int8`)."""
     return unpack_nibbles(packed) if bits == 4 else unpack_int8(packed)
+
+
+def dequantize_packed(packed: PackedInt4) -> torch.Tensor:
+    """fp32 weight of a packed INT4 / INT8 result, its bits told by the packed width and its group by the scale's
+    (any device; cheap enough per calibration forward)."""
+    rows, cols = int(packed.weight_shape[0]), int(packed.weight_shape[1])
+    bits = 32 * packed.weight_packed.shape[-1] // cols
+    codes = unpack_int(packed.weight_packed, 4 if bits == 4 else 8)
+    return dequantize_group(codes[:rows], packed.weight_scale, cols // packed.weight_scale.shape[-1])

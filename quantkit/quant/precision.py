@@ -20,9 +20,9 @@ from quantkit.arch import Adapter
 from quantkit.core.errors import QuantkitError
 from quantkit.quant.recipe import Recipe
 from quantkit.quant.scheme import FORMATS, FP8_BLOCK, FormatName, WeightFormat
-from quantkit.quant.units import Unit, list_units
+from quantkit.quant.units import Unit, list_units, unit_of
 
-__all__ = ["PrecisionPlan", "resolve_precision", "unit_formats"]
+__all__ = ["PrecisionPlan", "resolve_precision", "tensor_format", "unit_formats"]
 
 
 class PrecisionPlan(BaseModel):
@@ -98,6 +98,19 @@ def unit_formats(recipe: Recipe, units: list[Unit]) -> dict[str, FormatName]:
 def resolve_precision(recipe: Recipe, adapter: Adapter) -> PrecisionPlan:
     """The precision plan `recipe` means for the model `adapter` describes (config alone suffices)."""
     return PrecisionPlan(units=unit_formats(recipe, list_units(adapter)))
+
+
+def tensor_format(recipe: Recipe, adapter: Adapter, plan: PrecisionPlan | None, name: str) -> WeightFormat | None:
+    """The format the 2-D weight (or Linear module) `name` is written in, None when it is kept: its unit's format
+    in `plan`, else the recipe's uniform format when the recipe quantizes its role. `plan` None: the uniform
+    recipe (units then follow the roles, exactly as before per-unit plans existed)."""
+    unit = unit_of(adapter, name) if plan is not None else None
+    if unit is not None:
+        assert plan is not None
+        fmt = FORMATS[plan.units[unit]]
+        return fmt if fmt.kind != "bf16" else None
+    role = adapter.classify(name if name.endswith(".weight") else name + ".weight").role
+    return recipe.uniform_format if role in set(recipe.quantize_roles) else None
 
 
 def _layer_key(name: str) -> tuple[int, str]:
