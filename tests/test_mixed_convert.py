@@ -67,7 +67,8 @@ def test_config_groups_record_and_card(mixed):
     assert formats == {"pack-quantized", "float-quantized"}
     fp8 = next(g for g in qc["config_groups"].values() if g["format"] == "float-quantized")
     assert "Linear" in fp8["targets"] and r"re:.*layers\.2\.mlp\.experts\..*" in fp8["targets"]
-    assert r"re:.*layers\.0\.mlp\.(gate|up|gate_up|down)_proj$" in qc["ignore"]
+    assert r"re:.*mlp\.(gate|up|gate_up|down)_proj.*" in qc["ignore"]  # no dense MLP unit quantized: the role's entry
+    assert r"re:.*(layers\.(0|1|3|4)|decoder)\.self_attn\.(q_b|o)_proj$" in qc["ignore"]  # kept attention units
     record = json.loads((out / "quantkit.json").read_text())
     units = {u["unit"]: u for u in record["precision"]["units"]}
     assert {u: units[u]["format"] for u in UNITS} == UNITS
@@ -123,3 +124,42 @@ def test_cli_exit_2_for_a_refused_plan(ckpt_factory, tmp_path, cli):
     recipe.write_text("architecture: glm4_moe\nunits:\n  layers.2.shared_experts: int4-g32\n")
     code, _, err = cli("convert", str(src), str(tmp_path / "out"), "--recipe", str(recipe))
     assert code == 2 and "layers.2.shared_experts" in err and "glm4_moe.py" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_gptq(tmp_path_factory):
+    """GPTQ on the tiny trained MLA-MoE: the uniform recipe, and a plan that changes only the last layer's units
+    (so layers 0-2 see the same inputs in both runs)."""
+    from quantkit.calibrate.runner import RunOptions, run
+    from quantkit.calibrate.tiny import build_tiny
+    from quantkit.quant.recipe import Recipe
+
+    src = open_source(build_tiny("deepseek_v3"))
+    tokens = torch.randint(1, 500, (4, 64), generator=torch.Generator().manual_seed(1))
+    base = {"method": "gptq", "calibration": {"samples": 4, "seq_len": 64}}
+    units = {"layers.3.experts": "int8-g128", "layers.3.shared_experts": "int4-g64", "layers.3.attention": "int4-g32"}
+    out = {}
+    for name, recipe in (("uniform", Recipe(**base)),
+                         ("mixed", Recipe(**base, quantize_roles=["routed_expert", "shared_expert"], units=units))):
+        out[name] = run(src, recipe, tmp_path_factory.mktemp(name), None, RunOptions(tokens=tokens, batch_size=2))
+    return out
+
+
+@pytest.mark.slow  # two GPTQ runs of the tiny model (~40 s on a quiet 2-core machine)
+def test_gptq_follows_each_units_scheme(tiny_gptq):
+    uniform, mixed = tiny_gptq["uniform"], tiny_gptq["mixed"]
+    for layer in range(3):  # unchanged units, same inputs: the same bytes as the uniform recipe's
+        module = f"model.layers.{layer}.mlp.experts.2.down_proj"
+        a, b = uniform.quantized(module), mixed.quantized(module)
+        assert torch.equal(a.weight_packed, b.weight_packed) and torch.equal(a.weight_scale, b.weight_scale)
+    assert mixed.quantized("model.layers.2.mlp.shared_experts.down_proj").weight_scale.shape[1] * 32 == 128  # g32
+    int8 = mixed.quantized("model.layers.3.mlp.experts.2.down_proj")
+    assert int8.weight_packed.shape[1] * 4 == 128 and int8.weight_scale.shape[1] == 1  # INT8 g128
+    assert mixed.quantized("model.layers.3.mlp.shared_experts.up_proj").weight_scale.shape[1] == 2  # g64
+    q_b = mixed.quantized("model.layers.3.self_attn.q_b_proj")
+    assert q_b is not None and mixed.quantized("model.layers.2.self_attn.q_b_proj") is None  # only layer 3's unit
+    assert mixed.quantized("model.layers.3.self_attn.kv_b_proj") is None  # never part of the attention unit
+    err = {r["layer"]: r["rel_error"]["down_proj"] for r in mixed.coverage if r["expert"] == 2}
+    rtn = {r["layer"]: r["rtn_rel_error"]["down_proj"] for r in mixed.coverage if r["expert"] == 2}
+    assert err[3] < err[2] / 8 and err[3] <= rtn[3]  # INT8 GPTQ: far below INT4, not worse than INT8 RTN
+    assert mixed.coverage_report()["units"]["layers.3.experts"] == "int8-g128"

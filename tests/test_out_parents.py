@@ -58,9 +58,18 @@ def test_existing_ancestors_are_the_users_and_only_missing_ones_are_created(tmp_
     assert (tmp_path / "real" / "x" / "y").is_dir() and make_parents(tmp_path / "mine" / "x" / "y" / "out") == []
 
 
-def test_kv_scales_out_creates_missing_parents(ckpt_factory, tmp_path, cli):
+def test_kv_scales_out_creates_missing_parents(tmp_path, cli):
+    import shutil
+
+    from quantkit.calibrate.tiny import build_tokenizer
+    from quantkit.checkpoint.synth import make_checkpoint
+
+    src = make_checkpoint(tmp_path / "src", "deepseek_v3", "int4", config_overrides={"vocab_size": 512})
+    build_tokenizer(tmp_path / "tok")
+    for f in (tmp_path / "tok").iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, src / f.name)
     out = tmp_path / "kv" / "nested" / "out"
-    code, _, err = cli("kv-scales", str(ckpt_factory("glm_moe_dsa", "fp8")), "--out", str(out), "--samples", "2",
-                       "--seq-len", "16")
+    code, _, err = cli("kv-scales", str(src), "--out", str(out), "--samples", "2", "--seq-len", "16")
     assert code == 0, err
-    assert (out / "config.json").is_file()
+    assert (out / "config.json").is_file() and (out / "kv_cache_report.json").is_file()

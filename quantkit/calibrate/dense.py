@@ -47,6 +47,7 @@ def target_linears(module: nn.Module, base: str, adapter: Adapter, recipe: Recip
             continue
         fmt = tensor_format(recipe, adapter, plan, base + name)
         if fmt is not None and fmt.kind == "int":
+            fmt.check_shape(tuple(sub.weight.shape), f"{base}{name}")
             out[name] = (sub, GPTQScheme.of(fmt, recipe.gptq, dtype))
     return out
 

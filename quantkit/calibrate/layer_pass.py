@@ -64,8 +64,14 @@ def _experts_scheme(recipe: Recipe, adapter: Adapter, plan: PrecisionPlan | None
     them (a dense layer, a kept or FP4 unit)."""
     if not adapter.is_moe_layer(layer):
         return None
-    fmt = tensor_format(recipe, adapter, plan, f"{adapter.prefix}model.layers.{layer}.mlp.experts.0.gate_proj")
-    return GPTQScheme.of(fmt, recipe.gptq, dtype) if fmt is not None and fmt.kind == "int" else None
+    name = f"{adapter.prefix}model.layers.{layer}.mlp.experts.0"
+    fmt = tensor_format(recipe, adapter, plan, f"{name}.gate_proj")
+    if fmt is None or fmt.kind != "int":
+        return None
+    hidden, inter = int(adapter.config["hidden_size"]), int(adapter.config["moe_intermediate_size"])
+    fmt.check_shape((inter, hidden), f"{name}.gate_proj")
+    fmt.check_shape((hidden, inter), f"{name}.down_proj")
+    return GPTQScheme.of(fmt, recipe.gptq, dtype)
 
 
 def run_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Module, layer: int, acts: Acts, work_dir: Path,
