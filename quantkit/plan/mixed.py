@@ -131,7 +131,7 @@ def model_costs(config: dict[str, Any], table: SensitivityTable | None, tp: int 
             return Option(fmt, nbytes, gpu, kl)
 
         scores = table.units.get(unit.name) if table is not None else None
-        allowed = [f for f in candidate_formats(unit, fp8_source, fp4) if formats is None or f in formats
+        allowed = [f for f in candidate_formats(unit, fp8_source, fp4, adapter) if formats is None or f in formats
                    or not FORMATS[f].computed]
         opts = []
         for fmt in allowed:
