@@ -149,3 +149,10 @@ def test_table_of_another_model_is_refused(table, tmp_path: Path) -> None:  # ty
 
     with pytest.raises(QuantkitError, match="measure it on this model"):
         frontier_report(resolve_model("glm-5.2"), Deployment(get_gpu("h200"), 8), "bf16", table)
+
+
+def test_fewer_checkpoints_same_table(tiny: Path, table, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Keeping every other layer boundary (the rest recomputed from the checkpoint below) changes nothing."""
+    sparse = _table(tiny, tmp_path / "work", checkpoint_every=2)
+    for name, s in table.units.items():
+        assert sparse.units[name].kl == pytest.approx(s.kl, rel=1e-9), name

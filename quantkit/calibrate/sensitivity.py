@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -79,7 +80,9 @@ class SensitivityOptions:
     fits: Fits | None = None  # whether a format can store a weight shape (None: every format every unit)
     draws: int = 1  # label draws per sequence (each one backward pass): lower variance, more time
     batch_size: int = 8
-    checkpoint_every: int = 1  # keep every k-th layer boundary of the forward pass (k > 1: less disk, recompute)
+    # keep every k-th layer boundary of the forward pass (k > 1: less disk, the layers between run forward twice);
+    # 0: automatic, every layer up to 16 layers, else every ceil(sqrt(layers))-th (GLM-5.2: 9 of 78 boundaries)
+    checkpoint_every: int = 0
     memory_budget: int = 2 << 30
     seed: int = 0
     device: str | None = None
@@ -105,7 +108,7 @@ def run_sensitivity(source: SourceCheckpoint, work_dir: Path, opts: SensitivityO
     _manifest(work_dir, source, tokens, opts, world)
     dsa = family_for(cfg.model_type).kv_layout == KVLayout.DSA
     rope = L.rotary(cfg)
-    k = max(1, opts.checkpoint_every)
+    k = opts.checkpoint_every or (1 if n_layers <= 16 else math.ceil(math.sqrt(n_layers)))
     if not _top_done(work_dir, n_layers) and not _done(_grads(work_dir, n_layers)):
         if not _done(_acts(work_dir, 0)):
             table = source.read(f"{adapter.prefix}model.embed_tokens.weight", torch.float32)

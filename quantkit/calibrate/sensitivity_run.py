@@ -78,7 +78,7 @@ def units_of(source: SourceCheckpoint) -> Callable[[int, nn.Module], LayerUnits]
 
 def sensitivity_of(src: Path, calib: str | Path, work_dir: Path, samples: int = 128, seq_len: int = 2048,
                    draws: int = 1, formats: tuple[str, ...] = DEFAULT_FORMATS, batch_size: int = 8,
-                   checkpoint_every: int = 1, device: str | None = None, world: World = SINGLE,
+                   checkpoint_every: int = 0, device: str | None = None, world: World = SINGLE,
                    progress: Callable[[str], None] | None = None, seed: int = 0) -> SensitivityTable:
     """Score every unit of the checkpoint at `src` in every format of `formats` on `samples` windows of
     `seq_len` tokens of `calib` (resumable in `work_dir`)."""

@@ -23,8 +23,9 @@ def sensitivity_cmd(
                                 "(kept BF16 / FP8-block predict 0); add nvfp4a16 for Blackwell targets."),
     draws: int = typer.Option(1, min=1, help="Label draws per window (each one backward pass: less noise)."),
     batch_size: int = typer.Option(8, min=1, help="Windows per forward."),
-    checkpoint_every: int = typer.Option(1, min=1, help="Keep every k-th layer's activations (k > 1: less disk, "
-                                         "the layers between are recomputed)."),
+    checkpoint_every: int = typer.Option(0, min=0, help="Keep every k-th layer's activations (k > 1: less disk, "
+                                         "the layers between run forward twice); 0: automatic (sqrt of the layers "
+                                         "beyond 16)."),
     work_dir: Optional[Path] = typer.Option(None, help="Resumable work directory (default OUT.work)."),  # noqa: UP045
     device: str = typer.Option("auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
     quiet: bool = typer.Option(False, help="No progress output."),
