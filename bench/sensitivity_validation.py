@@ -52,17 +52,59 @@ def _hf_params(model: torch.nn.Module, unit: str) -> list[tuple[torch.Tensor, bo
     return [(getattr(attn, n).weight, False) for n in names]
 
 
+def _freeze_routing(model: torch.nn.Module, state: dict) -> None:
+    """Every router returns the top-k experts it chose for the source (recorded in `state["frozen"]` while
+    `state["mode"] == "record"`), with weights from the current scores: routing changes switched off."""
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None:
+            continue
+        orig = gate.forward
+
+        def forward(h: torch.Tensor, i: int = i, gate: torch.nn.Module = gate, orig=orig):  # type: ignore[no-untyped-def]
+            logits, w, idx = orig(h)
+            key = (i, state["batch"])
+            if state["mode"] == "record":
+                state["frozen"][key] = idx
+            elif state["mode"] == "frozen":
+                idx = state["frozen"][key]
+                w = logits.sigmoid().gather(1, idx)
+                if gate.norm_topk_prob:
+                    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+                w = w * gate.routed_scaling_factor
+            return logits, w, idx
+
+        gate.forward = forward
+
+
+def _batched_log_probs(model: torch.nn.Module, tokens: torch.Tensor, state: dict) -> torch.Tensor:
+    out = []
+    for b in range(0, tokens.shape[0], 8):
+        state["batch"] = b
+        out.append(torch.log_softmax(model(input_ids=tokens[b : b + 8]).logits[:, :-1].float(), dim=-1))
+    return torch.cat(out)
+
+
 @torch.no_grad()
-def measured(src: Path, table: dict, fake: dict, windows: int = 64) -> dict[str, dict[str, float]]:
-    """Real KL per (unit, format): the source model with that unit alone fake-quantized."""
+def measured(src: Path, table: dict, fake: dict, windows: int = 64, frozen: bool = False
+             ) -> dict[str, dict[str, float]]:
+    """Real KL per (unit, format): the source model with that unit alone fake-quantized (`frozen`: every router
+    keeps the source's top-k choices)."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.calibrate.eval import _log_probs, heldout_tokens
+    from quantkit.calibrate.eval import heldout_tokens
     from quantkit.calibrate.tiny import HELDOUT
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tokens = heldout_tokens(HELDOUT, src, 128, windows)
-    ref = _log_probs(model, tokens)
+    state: dict = {"mode": "record", "batch": 0, "frozen": {}}
+    _freeze_routing(model, state)
+    ref = _batched_log_probs(model, tokens, state)
+    state["mode"] = "frozen" if frozen else "live"
+
+    def _log_probs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return _batched_log_probs(model, tokens, state)
+
     out: dict[str, dict[str, float]] = {}
     for unit, row in table["units"].items():
         out[unit] = {}
@@ -103,6 +145,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--table", type=Path, help="An existing S.json (else it is computed into the work dir).")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit-sensitivity-validation"))
+    ap.add_argument("--frozen-routing", action="store_true", help="Also measure each unit with every router's "
+                    "top-k choice frozen at the source's (the KL without routing changes).")
     a = ap.parse_args()
     torch.set_num_threads(2)
     from quantkit.calibrate.sensitivity_run import FAKE, sensitivity_of
@@ -142,6 +186,8 @@ def main() -> None:
     report["uniform_int4_experts_predicted"] = sum(data["units"][u]["kl"]["int4-g32"] for u in experts)
     report["uniform_int4_experts_measured"] = plan_kl(src, experts, fake)
     report["unit_kl_measured"] = real
+    if a.frozen_routing:
+        report["unit_kl_frozen_routing"] = measured(src, data, fake, frozen=True)
     print("\n".join(rows))
     print(json.dumps(report))
 
