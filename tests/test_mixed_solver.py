@@ -136,3 +136,45 @@ def test_solver_spends_the_budget_on_the_most_sensitive_units() -> None:
     assert s.units["layers.5.experts"] == "int8-g128"
     assert s.kl < sum(next(o.kl for o in c.options if o.fmt == uniform[c.unit.name]) for c in costs.choices)
     assert all(f != "bf16" for u, f in s.units.items() if u.endswith(".experts"))
+
+
+def _heavy_table() -> SensitivityTable:
+    costs = model_costs(resolve_model("deepseek-v3").config, None, tp=8)
+    units = {}
+    for c in costs.choices:
+        heavy = 100.0 if c.unit.name == "layers.5.experts" else 1.0
+        units[c.unit.name] = UnitScores(c.unit.name, c.unit.kind, c.unit.layer, c.unit.params,
+                                        {"int4-g32": heavy * 1e-4, "int4-g64": heavy * 1.1e-4,
+                                         "int4-g128": heavy * 1.3e-4, "int8-g128": heavy * 1e-7})
+    return SensitivityTable("deepseek_v3", 61, ["int4-g32", "int4-g64", "int4-g128", "int8-g128"], 8, 128, 1, 0,
+                            units)
+
+
+def test_frontier_report_text_json_and_html(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`plan --sensitivity`: the uniform recipe first, then mixed plans that all leave KV room, KL falling as they
+    grow; the HTML page embeds the plot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quantkit.plan.frontier import frontier_html, frontier_report, frontier_text
+
+    table = _heavy_table()
+    rep = frontier_report(resolve_model("deepseek-v3"), Deployment(get_gpu("h200"), 8), "fp8", table, points=6)
+    rows = rep["rows"]
+    assert rows[0]["plan"].startswith("uniform") and rows[0]["kl_vs_uniform"] == 1.0
+    mixed = rows[1:]
+    assert len(mixed) == 6 and all(r["kv_tokens"] > 0 for r in mixed)
+    assert all(b["predicted_kl"] <= a["predicted_kl"] for a, b in zip(mixed, mixed[1:], strict=False))
+    assert mixed[-1]["weights_per_gpu_bytes"] <= rep["weights_per_gpu_limit_bytes"]
+    assert "uniform (default recipe)" in frontier_text(rep)
+    frontier_html(rep, tmp_path / "f.html")
+    assert "data:image/png;base64," in (tmp_path / "f.html").read_text()
+    (tmp_path / "S.json").write_text(json.dumps(table.to_json()))
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "quantkit", "plan", "deepseek-v3", "--gpu", "h200", "--tp", "8",
+                           "--sensitivity", str(tmp_path / "S.json"), "--json"], capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["rows"][0]["plan"].startswith("uniform")
