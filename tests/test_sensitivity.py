@@ -139,6 +139,17 @@ def test_max_size_plan_is_within_budget(tiny: Path, table, tmp_path: Path) -> No
     assert units == summary["budget"]["units"]
     assert units["layers.0.experts"] == "int8-g128"
     assert any(f not in ("bf16",) for u, f in units.items() if u.endswith(".shared_experts"))
+    # quantkit.json lists each unit's format with its predicted KL; the table travels with the output
+    from quantkit.checkpoint.manifest import verify_manifest
+
+    record = json.loads((out / "quantkit.json").read_text())
+    rows = {r["unit"]: r for r in record["precision"]["units"]}
+    assert rows["layers.0.experts"]["format"] == "int8-g128"
+    predicted = summary["budget"]["predicted_kl"]["layers.0.experts"]
+    assert rows["layers.0.experts"]["predicted_kl"] == pytest.approx(predicted)
+    assert record["budget"]["limit_bytes"] == size and record["budget"]["sensitivity"] == "quantkit_sensitivity.json"
+    assert json.loads((out / "quantkit_sensitivity.json").read_text())["schema"] == "quantkit-sensitivity/1"
+    assert verify_manifest(out).ok
 
 
 def test_table_of_another_model_is_refused(table, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

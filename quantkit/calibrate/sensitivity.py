@@ -254,6 +254,7 @@ def _head(source: SourceCheckpoint, cfg: PretrainedConfig, work_dir: Path, n_lay
                 grads[d, lo : lo + chunk] = g.detach().cpu()
         writer.add(index, grads.view(opts.draws, *h.shape))
     writer.close()
+    world.barrier()  # published before any rank reads it
     del head
 
 
@@ -285,7 +286,7 @@ def _backward_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Mo
             if writer is not None:
                 writer.add(index, torch.stack([g.cpu() for g in g_in]))
             kept.append(kp)
-        dots = score_units(module, kept, units, opts.formats, opts.fits, seq_len)
+        dots = score_units(module, kept, units, opts.formats, opts.fits, seq_len, opts.draws)
         del kept
         for unit, per_fmt in dots.items():
             for fmt, d in per_fmt.items():
@@ -297,6 +298,7 @@ def _backward_layer(source: SourceCheckpoint, cfg: PretrainedConfig, rope: nn.Mo
                 acc[3] += float(d[-1].sum()) if d.numel() else 0.0  # output error energy, summed over sequences
     if writer is not None:
         writer.close()
+        world.barrier()  # published before any rank reads it
     totals = _reduce(sums, world)
     out: dict[str, UnitScores] = {}
     for unit, spec in units.units.items():

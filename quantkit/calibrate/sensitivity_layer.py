@@ -200,18 +200,18 @@ def idle_backward(module: nn.Module, draws: int) -> None:
 
 
 def score_units(module: nn.Module, kept: list[Kept], units: LayerUnits, formats: dict[str, FakeQuant],
-                fits: Fits | None = None, seq_len: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+                fits: Fits | None = None, seq_len: int = 0, draws: int = 1) -> dict[str, dict[str, torch.Tensor]]:
     """Every unit x format on the kept batches: `dots[unit][format]` is `[draws + 1, sequences]`, per sequence the
     first-order log-likelihood change for each draw and, last, the unit's output error energy
     `sum_tokens |delta|^2` (each unit's weights are fake-quantized once per format for all the batches).
     Routed experts are a collective under expert parallelism (`seq_len` then names the sequence length for a
-    rank with no batch)."""
+    rank with no batch, `draws` the label draws per batch)."""
     dots: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for unit, spec in units.units.items():
             fmts = {f: fq for f, fq in formats.items() if _fits(spec, fits, f)}
             if spec.kind == "experts":
-                dots[unit] = _routed_dots(module.mlp, kept, fmts, seq_len)
+                dots[unit] = _routed_dots(module.mlp, kept, fmts, seq_len, draws)
                 continue
             dots[unit] = {}
             if spec.kind == "attention":
@@ -263,15 +263,13 @@ def _dots(delta: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([*(_per_sequence(delta * g) for g in grads), _per_sequence(delta * delta)])
 
 
-def _routed_dots(moe: ExpertMoE, kept: list[Kept], formats: dict[str, FakeQuant], seq_len: int
+def _routed_dots(moe: ExpertMoE, kept: list[Kept], formats: dict[str, FakeQuant], seq_len: int, draws: int
                  ) -> dict[str, torch.Tensor]:
     """Per format, per sequence: `sum g . delta` of the routed experts with every owned expert fake-quantized
     (per draw) and the error energy, `[draws + 1, b]` for this rank's sequences. Every rank's tokens are gathered
     once, each rank runs its experts (each fake-quantized once per format), the sums are added over the ranks."""
     world = moe.world
     hid = moe.gate.weight.shape[1]
-    draws = len(kept[0].g_out) if kept else 0
-    draws = int(world.all_reduce(torch.tensor([draws])).max()) if world.size > 1 else draws
     s = kept[0].mlp_in.shape[1] if kept else seq_len
     dev = moe.gate.weight.device
     if kept:

@@ -156,6 +156,10 @@ def convert_cmd(
                          world=world)
     if not world.is_main:
         return
+    if budgeted is not None:
+        from quantkit.convert.budget import record_plan
+
+        record_plan(result.out, budgeted)
     summary = {"out": str(result.out), "source_bytes": result.source_bytes, "output_bytes": result.output_bytes,
                "seconds": round(result.seconds, 2), "actions": result.actions, "resumed_shards": result.resumed_shards,
                "recipe": resolved.name, "warnings": result.warnings}

@@ -5,7 +5,10 @@
     -> the recipe with that plan (`Recipe.units`), converted as any recipe
 
 A budget below the smallest loadable plan is refused before anything is written (exit 2, one line naming the
-smallest reachable size). The table is kept next to the output (`OUT.sensitivity.json`).
+smallest reachable size). The measured table waits beside the output (`OUT.sensitivity.json`, reused by a rerun
+with the same calibration) until the conversion is published; `record_plan` then stores it in the output
+(`quantkit_sensitivity.json`), adds each unit's predicted KL and the budget to quantkit.json, regenerates the card
+and re-hashes SHA256SUMS (as `eval --record` does).
 """
 
 from __future__ import annotations
@@ -70,10 +73,16 @@ def budgeted_recipe(src: Path, out: Path, recipe: Recipe, config: dict[str, Any]
         what = "checkpoint size" if budget.axis == "bytes" else "weights per GPU"
         raise QuantkitError(f"budget {budget.label} is below the smallest loadable plan ({what} {low:,} B, "
                             f"{low / 2**30:.2f} GiB)")
+    c = recipe.calibration
+    if table is None and table_path(out).is_file():  # measured by an earlier run of this command: reuse
+        previous = load_table(table_path(out))
+        if (previous.model_type == str(config.get("model_type")) and previous.sequences == c.samples
+                and previous.seq_len == c.seq_len and previous.extra.get("calibration") == str(c.dataset)):
+            say(f"sensitivity: reusing {table_path(out)}")
+            table = previous
     if table is None:
         from quantkit.calibrate.sensitivity_run import sensitivity_of
 
-        c = recipe.calibration
         if not c.dataset:
             raise QuantkitError("a budget needs calibration data for the sensitivity pass (pass --calib FILE)")
         say(f"sensitivity: {c.samples} x {c.seq_len} tokens of {c.dataset}")
@@ -107,5 +116,26 @@ def _fp8_source(config: dict[str, Any]) -> bool:
     return qc.get("quant_method") == "fp8"
 
 
-def plan_json(result: BudgetedRecipe) -> str:
-    return json.dumps(result.summary(), indent=2)
+SENSITIVITY_FILE = "quantkit_sensitivity.json"
+
+
+def record_plan(out: Path, result: BudgetedRecipe) -> None:
+    """After publishing: the table into the output, each unit's predicted KL and the budget into quantkit.json,
+    the card and SHA256SUMS refreshed; the table beside the output removed."""
+    from quantkit.core.durable import write_json_atomic
+    from quantkit.hub.refresh import refresh_outputs
+
+    write_json_atomic(out / SENSITIVITY_FILE, result.table.to_json())
+    manifest = out / "quantkit.json"
+    data = json.loads(manifest.read_text(encoding="utf-8"))
+    kl = result.solution.predicted_kl
+    for row in (data.get("precision") or {}).get("units", []):
+        if row.get("unit") in kl:
+            row["predicted_kl"] = kl[row["unit"]]
+    s = result.solution
+    data["budget"] = {**result.budget.to_json(), "planned_bytes": s.total_bytes, "planned_per_gpu_bytes":
+                      s.per_gpu_bytes, "predicted_kl": s.kl, "sensitivity": SENSITIVITY_FILE,
+                      "method": result.table.method}
+    write_json_atomic(manifest, data)
+    refresh_outputs(out, ["quantkit.json", SENSITIVITY_FILE])
+    table_path(out).unlink(missing_ok=True)
