@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=1)
     ap.add_argument("--skip-autoscheme", action="store_true")
     ap.add_argument("--work", type=Path)
+    ap.add_argument("--resume", action="store_true", help="Keep the steps already done in --work (steps.json).")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from quantkit.calibrate.tiny import CORPUS, HELDOUT, build_tiny
@@ -81,29 +82,36 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     calib = ["--calib", str(CORPUS), "--samples", "32", "--seq-len", "128"]
     qk = [PY, "-m", "quantkit"]
-    steps: dict[str, dict] = {}
-    steps["uniform GPTQ"] = _timed([*qk, "convert", str(src), str(work / "uniform"), "--method", "gptq", *calib,
-                                    "--force", "--quiet"])
+    journal = work / "steps.json"
+    steps: dict[str, dict] = json.loads(journal.read_text()) if a.resume and journal.exists() else {}
+
+    def step(name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        if name not in steps:
+            steps[name] = _timed(cmd, env)
+            journal.write_text(json.dumps(steps))
+
+    step("uniform GPTQ", [*qk, "convert", str(src), str(work / "uniform"), "--method", "gptq", *calib, "--force",
+                          "--quiet"])
     uniform = _bytes(work / "uniform")
     source = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-    steps["sensitivity"] = _timed([*qk, "sensitivity", str(src), "--out", str(work / "S.json"), *calib,
-                                   "--draws", str(a.draws), "--quiet"])
+    step("sensitivity", [*qk, "sensitivity", str(src), "--out", str(work / "S.json"), *calib, "--draws",
+                         str(a.draws), "--quiet"])
     as_extra = 196_608  # layer 0's experts at INT8 g32 instead of INT4 g32 (AutoScheme's choice), pack-quantized
     budgets = {"+0 (same size)": uniform, "AutoScheme's size": uniform + as_extra,
                "+15% of (BF16 - INT4)": uniform + int(0.15 * (source - uniform))}
     models = [work / "uniform"]
     for label, budget in budgets.items():
         out = work / f"mixed_{budget}"
-        steps[f"mixed {label}"] = _timed([*qk, "convert", str(src), str(out), "--method", a.method, *calib,
-                                          "--max-size", str(budget), "--sensitivity", str(work / "S.json"),
-                                          "--force", "--json", "--quiet"])
+        step(f"mixed {label}", [*qk, "convert", str(src), str(out), "--method", a.method, *calib, "--max-size",
+                                 str(budget), "--sensitivity", str(work / "S.json"), "--force", "--json", "--quiet"])
         models.append(out)
     if not a.skip_autoscheme:
         _calib_text(src, work / "calib.json")
-        steps["AutoScheme"] = _timed([str(AUTOROUND_PY), str(REPO / "bench" / "autoscheme_anchor.py"), str(src),
-                                      str(work / "calib.json"), str(work / "autoscheme")],
-                                     {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                                      "AR_AUTO_SCHEME_CACHE": tempfile.mkdtemp(prefix="ar-cache-"), "PYTHONPATH": ""})
+        # -P: bench/ must not shadow AutoRound's imports (bench/kernels.py vs the `kernels` package)
+        step("AutoScheme", [str(AUTOROUND_PY), "-P", str(REPO / "bench" / "autoscheme_anchor.py"), str(src),
+                            str(work / "calib.json"), str(work / "autoscheme")],
+             {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+              "AR_AUTO_SCHEME_CACHE": tempfile.mkdtemp(prefix="ar-cache-"), "PYTHONPATH": ""})
         models.append(work / "autoscheme" / "fake")
     ev = _timed([PY, "-m", "quantkit.calibrate.eval", *map(str, models), "--data", str(HELDOUT), "--reference",
                  str(src), "--seq-len", "128", "--windows", "64", "--json"])
