@@ -117,6 +117,33 @@ def _fp8_source(config: dict[str, Any]) -> bool:
 
 
 SENSITIVITY_FILE = "quantkit_sensitivity.json"
+_COVERAGE_FILE = "calibration_coverage.json"
+
+
+def _gptq_gain(out: Path) -> dict[str, float]:
+    """Per unit: `sum rel_error^2 / sum rtn_rel_error^2` over its modules in the calibration records (the output
+    error GPTQ left relative to what RTN of the same format leaves; KL scales with its square)."""
+    path = out / _COVERAGE_FILE
+    if not path.is_file():
+        return {}
+    from quantkit.arch import get_adapter
+    from quantkit.quant.units import unit_of
+
+    cov = json.loads(path.read_text(encoding="utf-8"))
+    adapter = get_adapter(json.loads((out / "config.json").read_text(encoding="utf-8")))
+    sums: dict[str, list[float]] = {}
+    for rec in cov.get("experts", []):
+        acc = sums.setdefault(f"layers.{rec['layer']}.experts", [0.0, 0.0])
+        for proj, err in rec.get("rel_error", {}).items():
+            acc[0] += err ** 2
+            acc[1] += rec["rtn_rel_error"][proj] ** 2
+    for rec in cov.get("modules", []):
+        unit = unit_of(adapter, rec["module"])
+        if unit is not None and rec.get("rtn_rel_error"):
+            acc = sums.setdefault(unit, [0.0, 0.0])
+            acc[0] += rec["rel_error"] ** 2
+            acc[1] += rec["rtn_rel_error"] ** 2
+    return {u: a / b for u, (a, b) in sums.items() if b > 0}
 
 
 def record_plan(out: Path, result: BudgetedRecipe) -> None:
@@ -129,9 +156,12 @@ def record_plan(out: Path, result: BudgetedRecipe) -> None:
     manifest = out / "quantkit.json"
     data = json.loads(manifest.read_text(encoding="utf-8"))
     kl = result.solution.predicted_kl
+    gain = _gptq_gain(out) if result.recipe.method == "gptq" else {}
     for row in (data.get("precision") or {}).get("units", []):
         if row.get("unit") in kl:
             row["predicted_kl"] = kl[row["unit"]]
+            if row["unit"] in gain:  # the table predicts RTN; GPTQ's error relative to RTN's, squared
+                row["predicted_kl_gptq"] = kl[row["unit"]] * gain[row["unit"]]
     s = result.solution
     data["budget"] = {**result.budget.to_json(), "planned_bytes": s.total_bytes, "planned_per_gpu_bytes":
                       s.per_gpu_bytes, "predicted_kl": s.kl, "sensitivity": SENSITIVITY_FILE,
