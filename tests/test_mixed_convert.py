@@ -163,3 +163,19 @@ def test_gptq_follows_each_units_scheme(tiny_gptq):
     rtn = {r["layer"]: r["rtn_rel_error"]["down_proj"] for r in mixed.coverage if r["expert"] == 2}
     assert err[3] < err[2] / 8 and err[3] <= rtn[3]  # INT8 GPTQ: far below INT4, not worse than INT8 RTN
     assert mixed.coverage_report()["units"]["layers.3.experts"] == "int8-g128"
+
+
+def test_eval_loads_a_mixed_output(mixed):
+    """`quantkit eval` reads a mixed output through the source reader: INT8, INT4 and FP8-kept units dequantized."""
+    from quantkit.calibrate.eval import load_model
+
+    src, out = mixed
+    model = load_model(out)
+    experts = model.model.layers[2].mlp.experts  # the FP8-kept unit: the source's values exactly
+    w = open_source(src).read("model.layers.2.mlp.experts.5.down_proj.weight", torch.float32)
+    got = experts.down_proj[5] if hasattr(experts, "down_proj") else experts[5].down_proj.weight
+    assert torch.equal(got.float(), w)
+    w1 = open_source(src).read("model.layers.1.mlp.experts.5.down_proj.weight", torch.float32)
+    got1 = model.model.layers[1].mlp.experts
+    got1 = got1.down_proj[5] if hasattr(got1, "down_proj") else got1[5].down_proj.weight
+    assert torch.equal(got1.float(), FORMATS["int8-g128"].fake_quantize(w1))
