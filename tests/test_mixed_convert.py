@@ -179,3 +179,11 @@ def test_eval_loads_a_mixed_output(mixed):
     got1 = model.model.layers[1].mlp.experts
     got1 = got1.down_proj[5] if hasattr(got1, "down_proj") else got1[5].down_proj.weight
     assert torch.equal(got1.float(), FORMATS["int8-g128"].fake_quantize(w1))
+
+
+def test_validate_cli_shows_both_engines_verdicts_for_a_mixed_output(mixed, cli):
+    _, out = mixed
+    code, stdout, err = cli("validate", str(out), "--engine", "all")
+    assert code == 0, err
+    assert "sglang 0.5.23: loads" in stdout and "vllm 0.33.0: loads" in stdout
+    assert "--moe-runner-backend auto" in stdout and "per-unit formats" in stdout
