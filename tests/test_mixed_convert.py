@@ -140,7 +140,7 @@ def tiny_gptq(tmp_path_factory):
     units = {"layers.3.experts": "int8-g128", "layers.3.shared_experts": "int4-g64", "layers.3.attention": "int4-g32"}
     out = {}
     for name, recipe in (("uniform", Recipe(**base)),
-                         ("mixed", Recipe(**base, quantize_roles=["routed_expert", "shared_expert"], units=units))):
+                         ("mixed", Recipe(**base, units=units))):
         out[name] = run(src, recipe, tmp_path_factory.mktemp(name), None, RunOptions(tokens=tokens, batch_size=2))
     return out
 
@@ -148,11 +148,11 @@ def tiny_gptq(tmp_path_factory):
 @pytest.mark.slow  # two GPTQ runs of the tiny model (~40 s on a quiet 2-core machine)
 def test_gptq_follows_each_units_scheme(tiny_gptq):
     uniform, mixed = tiny_gptq["uniform"], tiny_gptq["mixed"]
-    for layer in range(3):  # unchanged units, same inputs: the same bytes as the uniform recipe's
+    for layer in range(3):  # unchanged units, same inputs: the same bytes as the uniform recipe's (layer by layer)
         module = f"model.layers.{layer}.mlp.experts.2.down_proj"
         a, b = uniform.quantized(module), mixed.quantized(module)
         assert torch.equal(a.weight_packed, b.weight_packed) and torch.equal(a.weight_scale, b.weight_scale)
-    assert mixed.quantized("model.layers.2.mlp.shared_experts.down_proj").weight_scale.shape[1] * 32 == 128  # g32
+    assert mixed.quantized("model.layers.2.mlp.shared_experts.down_proj") is None  # kept: its role is not quantized
     int8 = mixed.quantized("model.layers.3.mlp.experts.2.down_proj")
     assert int8.weight_packed.shape[1] * 4 == 128 and int8.weight_scale.shape[1] == 1  # INT8 g128
     assert mixed.quantized("model.layers.3.mlp.shared_experts.up_proj").weight_scale.shape[1] == 2  # g64
@@ -163,3 +163,27 @@ def test_gptq_follows_each_units_scheme(tiny_gptq):
     rtn = {r["layer"]: r["rtn_rel_error"]["down_proj"] for r in mixed.coverage if r["expert"] == 2}
     assert err[3] < err[2] / 8 and err[3] <= rtn[3]  # INT8 GPTQ: far below INT4, not worse than INT8 RTN
     assert mixed.coverage_report()["units"]["layers.3.experts"] == "int8-g128"
+
+
+def test_eval_loads_a_mixed_output(mixed):
+    """`quantkit eval` reads a mixed output through the source reader: INT8, INT4 and FP8-kept units dequantized."""
+    from quantkit.calibrate.eval import load_model
+
+    src, out = mixed
+    model = load_model(out)
+    experts = model.model.layers[2].mlp.experts  # the FP8-kept unit: the source's values exactly
+    w = open_source(src).read("model.layers.2.mlp.experts.5.down_proj.weight", torch.float32)
+    got = experts.down_proj[5] if hasattr(experts, "down_proj") else experts[5].down_proj.weight
+    assert torch.equal(got.float(), w)
+    w1 = open_source(src).read("model.layers.1.mlp.experts.5.down_proj.weight", torch.float32)
+    got1 = model.model.layers[1].mlp.experts
+    got1 = got1.down_proj[5] if hasattr(got1, "down_proj") else got1[5].down_proj.weight
+    assert torch.equal(got1.float(), FORMATS["int8-g128"].fake_quantize(w1))
+
+
+def test_validate_cli_shows_both_engines_verdicts_for_a_mixed_output(mixed, cli):
+    _, out = mixed
+    code, stdout, err = cli("validate", str(out), "--engine", "all")
+    assert code == 0, err
+    assert "sglang 0.5.23: loads" in stdout and "vllm 0.33.0: loads" in stdout
+    assert "--moe-runner-backend auto" in stdout and "per-unit formats" in stdout

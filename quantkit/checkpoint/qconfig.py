@@ -213,9 +213,10 @@ _PROBE = {"experts": "mlp.experts.0.gate_proj", "shared_experts": "mlp.shared_ex
 
 
 def is_per_unit(qc: dict[str, Any]) -> bool:
-    """Whether a config has per-unit groups (quantkit's mixed outputs) rather than one group targeting `Linear`."""
+    """Whether a config gives formats per layer (quantkit's per-unit outputs: `re:` targets naming layers), rather
+    than one format for all (a group targeting `Linear`, or a peer's regex over every layer's experts)."""
     groups = list((qc.get("config_groups") or {}).values())
-    return any(t != "Linear" for g in groups for t in g.get("targets") or [])
+    return any(t.startswith("re:") and r"layers\." in t for g in groups for t in g.get("targets") or [])
 
 
 def unit_formats_of_config(qc: dict[str, Any], adapter: Adapter, units: list[Unit]) -> dict[str, FormatName | None]:

@@ -157,3 +157,17 @@ def test_fp8_moe_layer_has_no_runner_under_marlin_so_the_record_pins_auto(mixed,
 def test_compressed_tensors_top_level_mixed_precision_is_refused_by_sglang(reports) -> None:
     error = reports[("sglang", "ct-top-format")]["error"]
     assert error is not None and "pack-quantized" in error, error
+
+
+def test_mixed_configs_parse_with_vllms_compressed_tensors_017(mixed) -> None:
+    """vLLM 0.33.0 pins compressed-tensors 0.17.0; quantkit builds the per-unit config with 0.19.0."""
+    import subprocess
+    import sys
+
+    from harness import CT017
+    from test_conformance import _CT017_PARSE
+
+    configs = [str(o / "config.json") for o in mixed.values()]
+    res = subprocess.run([sys.executable, "-c", _CT017_PARSE, str(CT017), *configs], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["0.17.0", "pack-quantized", "False"] * len(configs)
