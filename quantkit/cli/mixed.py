@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
 from quantkit.core.errors import QuantkitError
+
+if TYPE_CHECKING:
+    from quantkit.convert.budget import BudgetedRecipe
+    from quantkit.core.distributed import World
+    from quantkit.quant.recipe import Recipe
 
 __all__ = ["register", "apply_budget"]
 
@@ -67,8 +72,9 @@ def sensitivity_cmd(
     world.stop()
 
 
-def apply_budget(src: Path, out: Path, recipe: Any, config: dict[str, Any], options: dict[str, Any],
-                 method_given: bool, device: str, world: Any, say: Any) -> tuple[Any, Any]:
+def apply_budget(src: Path, out: Path, recipe: Recipe, config: dict[str, Any], options: dict[str, Any],
+                 method_given: bool, device: str, world: World, say: Callable[[str], None]
+                 ) -> tuple[Recipe, BudgetedRecipe | None]:
     """The recipe `convert` runs under a budget (and the solver's result), or (recipe, None) without one."""
     from quantkit.convert.budget import budgeted_recipe
     from quantkit.plan.budget import budget_from_options
@@ -87,7 +93,7 @@ def apply_budget(src: Path, out: Path, recipe: Any, config: dict[str, Any], opti
     return result.recipe, result
 
 
-def plan_lines(result: Any) -> list[str]:
+def plan_lines(result: BudgetedRecipe) -> list[str]:
     """The solver's plan, one line per unit that is not at the uniform format, for the summary."""
     s = result.solution
     lines = [f"budget: {result.budget.label}; plan: {s.total_bytes / 2**30:.2f} GiB checkpoint, "
@@ -101,7 +107,3 @@ def plan_lines(result: Any) -> list[str]:
 
 def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> None:
     app.command("sensitivity")(sensitivity_cmd)
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, indent=2)
