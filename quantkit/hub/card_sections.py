@@ -3,8 +3,7 @@ commands, the SGLang prefill/decode pair and the plugin split recorded in quantk
 
 from __future__ import annotations
 
-from typing import Any
-
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.verdicts import ENGINES
 
 __all__ = ["NOT_RECORDED", "serving_section", "table"]
@@ -12,13 +11,13 @@ __all__ = ["NOT_RECORDED", "serving_section", "table"]
 NOT_RECORDED = "engine verdicts: not recorded (run quantkit validate --engine all)"
 
 
-def table(header: list[str], rows: list[list[Any]]) -> str:
+def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def serving_section(serving: dict[str, Any] | None, model_ref: str) -> str:
+def serving_section(serving: JSONObject | None, model_ref: str) -> str:
     """Per engine: verdict, arguments, KV use, launch lines, and the SGLang PD pair / plugin split."""
     if not serving:
         return f"## Serving\n\n{NOT_RECORDED.capitalize()}."
@@ -48,7 +47,7 @@ def serving_section(serving: dict[str, Any] | None, model_ref: str) -> str:
     return "\n\n".join(parts)
 
 
-def _pd_pair(pd: dict[str, Any], model_ref: str, split: bool = False) -> str:
+def _pd_pair(pd: JSONObject, model_ref: str, split: bool = False) -> str:
     """The prefill/decode pair SGLang accepts (quantkit/engines/pd.py): three commands and what they store."""
     def env(side: str) -> str:
         return "".join(f"{k}={v} " for k, v in (pd[side].get("env") or {}).items())
