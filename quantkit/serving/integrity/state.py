@@ -117,7 +117,7 @@ class PoolState:
     def upload(self, values: np.ndarray) -> torch.Tensor:
         """Host int64 values on the device without blocking the host (pinned staging off the CPU)."""
         host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        if self.device.type != "cpu":
+        if self.device.type == "cuda":
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
