@@ -47,11 +47,16 @@ def _state(seed: int, ps: int, batch: int, corrupt: int, backend: str) -> tuple[
     return s, table, rows
 
 
-def _reference(s: PoolState, table: torch.Tensor, rows: list[int]) -> list[bool]:
+def _seq(s: PoolState, rows: list[int], seed: int) -> list[int]:
+    """Lengths whose last page is partly filled (the check covers ``ceil(len / page_size)`` pages)."""
+    return [int(s.nrec_host[r]) * s.page_size - (seed + r) % s.page_size for r in rows]
+
+
+def _reference(s: PoolState, table: torch.Tensor, rows: list[int], seq: list[int]) -> list[bool]:
     out = []
-    for row in rows:
+    for row, n in zip(rows, seq, strict=True):
         bad = bool(s.row_bad[row] < 0)
-        for j in range(int(s.nrec_host[row])):
+        for j in range(-(-n // s.page_size)):
             page = int(table[row, j * s.page_size]) // s.page_size
             live = int(s.stamp[page]) if 0 <= page < s.num_pages else None
             bad |= live != int(s.sig[row, j])
@@ -64,9 +69,10 @@ def _reference(s: PoolState, table: torch.Tensor, rows: list[int]) -> list[bool]
        corrupt=st.integers(0, 3), backend=st.sampled_from(["torch", "triton"]))  # fmt: skip
 def test_check_flags_exactly_the_reference_rows_and_redirects_their_writes(seed, ps, batch, corrupt, backend):
     s, table, rows = _state(seed, ps, batch, corrupt, backend)
-    expected = _reference(s, table, rows)
+    seq = _seq(s, rows, seed)
+    expected = _reference(s, table, rows, seq)
     slots = torch.arange(100, 100 + batch, dtype=torch.int64)
-    out = s.check(table, torch.tensor(rows), np.array(rows), slots)
+    out = s.check(table, torch.tensor(rows), torch.tensor(seq), np.array(seq), slots)
     assert [bool(s.row_bad[r] < 0) for r in rows] == expected
     assert out.tolist() == [0 if b else 100 + i for i, b in enumerate(expected)]  # 0: SGLang's padding slot
     assert s.verdict(torch.tensor(rows)).tolist() == [-1 if b else 0 for b in expected]
@@ -87,12 +93,13 @@ def test_decode_record_then_reuse_and_a_page_handed_out_twice(ps, backend):
     table[rows, ps] = slots.to(torch.int32)
     s.handed_decode(slots, True)
     s.record_decode(table, slots, rows, torch.from_numpy(seq), rows_h, seq)
-    assert s.nrec_host[rows_h].tolist() == [2, 2, 2] and s.nrec[rows].tolist() == [2, 2, 2]
-    s.check(table, rows, rows_h, slots.clone())
+    assert s.nrec_host[rows_h].tolist() == [2, 2, 2]
+    seq_after = torch.from_numpy(seq + 1)
+    s.check(table, rows, seq_after, seq + 1, slots.clone())
     assert s.row_bad[rows].tolist() == [0, -1, -1]
     assert s.explain(table, 2, 0).twin_pages == (21,) and s.explain(table, 1, 0).position == -1
     s.freed(torch.tensor([10]))  # row 1's first page reused behind its back
-    s.check(table, rows[:1], rows_h[:1], slots[:1].clone())
+    s.check(table, rows[:1], seq_after[:1], seq[:1] + 1, slots[:1].clone())
     e = s.explain(table, 1, 0)
     assert s.row_bad[1] == -1 and (e.page, e.expected_page, e.expected_tag + 1) == (10, 10, e.actual_tag)
 
@@ -114,7 +121,7 @@ def test_tree_pages_vouch_only_under_their_own_prefix_key():
     table[2, :8] = table[1, :8]
     s.record_spans(table, [2], [0], [2], [2], np.array([111, 999], dtype=np.int64))  # page 4 under another prefix
     assert s.sig[2, 0] == s.sig[1, 0] and s.sig[2, 1] == (4 << TAG_BITS) | NEVER_TAG
-    s.check(table, torch.tensor([1, 2]), np.array([1, 2]), torch.zeros(2, dtype=torch.int64))
+    s.check(table, torch.tensor([1, 2]), torch.tensor([8, 8]), np.array([8, 8]), torch.zeros(2, dtype=torch.int64))
     assert s.row_bad[1:3].tolist() == [0, -1]
     table[3, 0] = 999 * 4  # an entry outside the pool
     s.record_spans(table, [3], [0], [1], [0])
@@ -133,7 +140,7 @@ def test_a_clean_steps_functions_run_on_meta_tensors_the_abort_path_does_not(ps)
     s.handed(torch.zeros(3 * ps, dtype=torch.int64, device="meta"))
     s.handed_decode(slots, True)
     s.record_decode(table, slots, rows, seq, np.array([1, 2]), np.array([3 * ps, 2 * ps]))
-    out = s.check(table, rows, np.array([1, 2]), slots)
+    out = s.check(table, rows, seq + 1, np.array([3 * ps + 1, 2 * ps + 1]), slots)
     marked = mark(torch.zeros(2, dtype=torch.int64, device="meta"), s.verdict(rows))
     s.freed(torch.tensor([3, 4], device="meta"))
     s.adopt(table, 1, 0, 2, np.array([1, 2], dtype=np.int64))

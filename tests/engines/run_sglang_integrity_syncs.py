@@ -59,7 +59,7 @@ def _roots(counter, camp) -> None:  # noqa: ANN001 - harness objects
             counter.tag(value)
     tracker = plugin.tracker_of(e.alloc)
     if tracker is not None:
-        counter.tag(tracker.stamp, tracker.sig, tracker.nrec, tracker.row_bad, tracker.tree_stamp, tracker.tree_keys,
+        counter.tag(tracker.stamp, tracker.sig, tracker.row_bad, tracker.tree_stamp, tracker.tree_keys,
                     tracker._hand, tracker._ones, tracker._cols, tracker._never)  # fmt: skip
 
 

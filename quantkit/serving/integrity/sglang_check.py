@@ -86,15 +86,14 @@ def _prepare_for_decode(original: Original, self: ScheduleBatch, *args: object, 
     if tracker is None or not self.reqs:
         return out
     _STATE.checks += 1
-    rows_host = self.req_pool_indices_cpu.numpy()
-    self.out_cache_loc = tracker.check(self.req_to_token_pool.req_to_token, self.req_pool_indices, rows_host,
-                                       self.out_cache_loc)
+    self.out_cache_loc = tracker.check(self.req_to_token_pool.req_to_token, self.req_pool_indices, self.seq_lens,
+                                       self.seq_lens_cpu.numpy(), self.out_cache_loc)  # fmt: skip
     if not self.spec_algorithm.is_none():
-        _screen_now(self, tracker, rows_host)
+        _screen_now(self, tracker)
     return out
 
 
-def _screen_now(batch: ScheduleBatch, tracker: PoolState, rows_host: object) -> None:
+def _screen_now(batch: ScheduleBatch, tracker: PoolState) -> None:
     """Speculative decoding (its outputs are verified runs, not one id per row): read the verdict now (a host sync)
     and set flagged requests to abort; :func:`_normalize_decode_outputs` drops their tokens of this step."""
     bad = tracker.verdict(batch.req_pool_indices).tolist()

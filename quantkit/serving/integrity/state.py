@@ -7,8 +7,9 @@ State, all on the pool's device:
   moment the page is reused behind its back; the page part makes a row entry pointing at another page differ too.
 - ``sig[rows, pages_per_row + 1]`` int64, parallel to SGLang's ``req_to_token``: the stamp row ``r``'s ``j``-th
   page must still carry (:data:`NEVER` never matches; the last column is a write-off slot for masked scatters).
-- ``nrec[rows]`` int64: pages recorded per row (the check's bound); mirrored exactly on the host in ``nrec_host``
-  (numpy), which is how the host knows the check's extent without reading the device.
+- on the host only, ``nrec_host[rows]`` (numpy): pages recorded per row. The check's extent is SGLang's own
+  ``seq_lens`` (device) and ``seq_lens_cpu`` (host); every decode record verifies ``nrec_host`` against
+  ``seq_lens_cpu`` and records any page a path escaped, so the two agree without reading the device.
 - ``row_bad[rows]`` int32: ``-1`` once a check found row ``r`` wrong, else ``0`` (monotone until the row is
   recorded again from its first page by its next request).
 - ``tree_stamp`` / ``tree_keys`` ``[num_pages + 1]``: the stamp the radix tree adopted a page with and the key of
@@ -93,11 +94,10 @@ class PoolState:
         self._never = torch.tensor(NEVER, dtype=torch.int64, device=self.device)
         self._cols = torch.arange(1024, dtype=torch.int64, device=self.device)
         self.sig = torch.full((0, 1), NEVER, dtype=torch.int64, device=self.device)
-        self.nrec = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.row_bad = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.nrec_host = np.zeros(0, dtype=np.int64)
-        # (slots, pages, stamps before the hand-out) of the last decode allocation, for its record
-        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # (slots, stamps before the hand-out, which slots opened a page) of the last decode allocation, for its record
+        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     # ---- shape ---------------------------------------------------------------------------------------------------
     def bind(self, rows: int, row_tokens: int) -> None:
@@ -106,7 +106,6 @@ class PoolState:
             return
         cols = -(-row_tokens // self.page_size)
         self.sig = torch.full((rows, cols + 1), NEVER, dtype=torch.int64, device=self.device)
-        self.nrec = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.row_bad = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self.nrec_host = np.zeros(rows, dtype=np.int64)
 
@@ -153,12 +152,14 @@ class PoolState:
         if not opens:
             return
         if self.page_size == 1:
-            pages, opened = slots, self._ones_like(slots.numel())
-        else:
-            pages, opened = slots // self.page_size, (slots % self.page_size == 0).long()
+            before = self.stamp.index_select(0, slots)
+            self.stamp.index_add_(0, slots, self._ones_like(slots.numel()))
+            self.pending = (slots, before, None)
+            return
+        pages, opened = slots // self.page_size, slots % self.page_size == 0
         before = self.stamp.index_select(0, pages)
-        self.stamp.index_add_(0, pages, opened)
-        self.pending = (slots, pages, before)
+        self.stamp.index_add_(0, pages, opened.long())
+        self.pending = (slots, before, opened)
 
     # ---- records -------------------------------------------------------------------------------------------------
     def record_decode(self, table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -175,16 +176,14 @@ class PoolState:
         opens = seq_host % ps == 0
         if opens.any():
             if pending is not None and pending[0] is slots:
-                expected = pending[2] + 1
+                expected, opened = pending[1] + 1, pending[2]
             else:  # the allocation was not seen (another allocator entry point): the live stamp after it
                 expected = self.stamp.index_select(0, slots if ps == 1 else slots // ps)
-            if ps == 1:
-                cols = seq_lens
-                self.sig.index_put_((rows, cols), expected)
-            else:
-                cols = seq_lens // ps
-                self.sig.index_put_((rows, torch.where(seq_lens % ps == 0, cols, self.sig.shape[1] - 1)), expected)
-            self.nrec.index_copy_(0, rows, cols + 1)
+                opened = None if ps == 1 else slots % ps == 0
+            if opened is None:
+                self.sig.index_put_((rows, seq_lens), expected)
+            else:  # rows that did not open a page write into the write-off column
+                self.sig.index_put_((rows, torch.where(opened, seq_lens // ps, self.sig.shape[1] - 1)), expected)
             self.nrec_host[rows_host[opens]] = seq_host[opens] // ps + 1
         if len(gaps):
             ends = -(-(seq_host[gaps] + 1) // ps)
@@ -216,13 +215,11 @@ class PoolState:
             entry_keys[from_tree] = keys[: int(from_tree.sum())]
         restart = rows_a[firsts_a == 0]
         packed = self.upload(np.concatenate([np.repeat(rows_a, counts), cols, from_tree.astype(np.int64),
-                                             entry_keys, rows_a, ends_a, restart]))  # fmt: skip
+                                             entry_keys, restart]))  # fmt: skip
         r, c, t, k = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n].bool(), packed[3 * n : 4 * n]
         self._record_entries(table, r, c, t, k)
-        m = len(rows_a)
-        self.nrec.index_copy_(0, packed[4 * n : 4 * n + m], packed[4 * n + m : 4 * n + 2 * m])
-        if len(restart):
-            self.row_bad.index_fill_(0, packed[4 * n + 2 * m :], 0)
+        if len(restart):  # a row's next request starts with a clean verdict
+            self.row_bad.index_fill_(0, packed[4 * n :], 0)
         self.nrec_host[rows_a] = ends_a
 
     def _record_entries(self, table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, from_tree: torch.Tensor,
@@ -266,31 +263,32 @@ class PoolState:
         self.sig[row, first:end] = torch.where(same, rec, rewritten)
 
     # ---- the check -----------------------------------------------------------------------------------------------
-    def check(self, table: torch.Tensor, rows: torch.Tensor, rows_host: np.ndarray,
+    def check(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, seq_host: np.ndarray,
               slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """One fused gather-compare over every recorded page of every row in ``rows``: ORs ``-1`` into ``row_bad``
+        """One fused gather-compare over every page the step's attention reads (``ceil(seq_lens / page_size)`` per
+        row, SGLang's device lengths; ``seq_host`` its host copy, for the launch size): ORs ``-1`` into ``row_bad``
         of each row with a page whose live stamp differs from its record, and points such a row's decode write
         (``slots``, SGLang's ``out_cache_loc``) at slot 0, SGLang's padding slot: a flagged request still runs its
         forward (nothing is read back to take it out of the batch), but cannot write into a page that is someone
         else's now. Returns the slots the forward must use (``slots`` itself, updated in place, on Triton).
         Enqueued only: nothing is read back."""
-        if not len(rows_host):
+        if not len(seq_host):
             return slots
-        max_n = int(self.nrec_host[rows_host].max())
+        ps = self.page_size
+        max_n = -(-int(seq_host.max()) // ps)
         if max_n == 0:
             return slots
         if self.backend == "triton":
             from quantkit.serving.integrity.triton_check import row_check_triton
 
-            row_check_triton(rows, self.nrec, table, self.sig, self.stamp, self.row_bad, slots, self.page_size,
-                             max_n)  # fmt: skip
+            row_check_triton(rows, seq_lens, table, self.sig, self.stamp, self.row_bad, slots, ps, max_n)
             return slots
         step = max(1, _CHUNK // max_n)
-        for lo in range(0, len(rows_host), step):
-            self._check_torch(table, rows[lo : lo + step], max_n)
+        for lo in range(0, len(seq_host), step):
+            self._check_torch(table, rows[lo : lo + step], seq_lens[lo : lo + step], max_n)
         return torch.bitwise_and(slots, ~self.row_bad.index_select(0, rows))
 
-    def _check_torch(self, table: torch.Tensor, rows: torch.Tensor, max_n: int) -> None:
+    def _check_torch(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_n: int) -> None:
         ps = self.page_size
         page = table[:, : max_n * ps : ps].index_select(0, rows).long()
         if ps > 1:
@@ -298,7 +296,7 @@ class PoolState:
         pc = page.clamp(0, self.num_pages - 1)
         now = self.stamp.index_select(0, pc.view(-1)).view_as(pc)
         expected = self.sig[:, :max_n].index_select(0, rows)
-        inside = self._arange(max_n) < self.nrec.index_select(0, rows)[:, None]
+        inside = self._arange(max_n) * ps < seq_lens[:, None]
         bad = (((now != expected) | (pc != page)) & inside).any(1)
         self.row_bad.index_copy_(0, rows, torch.where(bad, -1, self.row_bad.index_select(0, rows)))
 

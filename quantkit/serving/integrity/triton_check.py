@@ -116,7 +116,7 @@ def check_counts_triton(
 @triton.jit
 def _row_check_kernel(
     rows_ptr,
-    nrec_ptr,
+    seq_lens_ptr,
     table_ptr,
     sig_ptr,
     stamp_ptr,
@@ -131,7 +131,7 @@ def _row_check_kernel(
     b = tl.program_id(0)
     blk = tl.program_id(1)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    n = tl.load(nrec_ptr + row)
+    n = (tl.load(seq_lens_ptr + b).to(tl.int64) + page_size - 1) // page_size
     if blk == 0:
         if tl.load(row_bad_ptr + row) < 0:  # flagged by an earlier check: keep its write off the pool
             tl.store(slots_ptr + b, 0)
@@ -151,7 +151,7 @@ def _row_check_kernel(
 
 def row_check_triton(
     rows: torch.Tensor,
-    nrec: torch.Tensor,
+    seq_lens: torch.Tensor,
     table: torch.Tensor,
     sig: torch.Tensor,
     stamp: torch.Tensor,
@@ -160,9 +160,9 @@ def row_check_triton(
     page_size: int,
     max_n: int,
 ) -> None:
-    """One launch over ``rows`` x ``max_n`` recorded pages: ``row_bad[row] = -1`` where a page's live ``stamp``
-    differs from ``sig[row, j]`` (``j < nrec[row]``), and ``slots[b] = 0`` (SGLang's padding slot) for a flagged
-    row ``b``; ``max_n`` comes from the host mirror, so nothing is read back.
+    """One launch over ``rows`` x ``max_n`` pages: ``row_bad[row] = -1`` where a page's live ``stamp`` differs from
+    ``sig[row, j]`` (``j < ceil(seq_lens[b] / page_size)``: the pages the step reads), and ``slots[b] = 0``
+    (SGLang's padding slot) for a flagged row ``b``; ``max_n`` comes from the host, so nothing is read back.
 
     :param table: ``req_to_token`` (row-major 2-D int32 token slots; every ``page_size``-th column is read).
     """
@@ -171,5 +171,5 @@ def row_check_triton(
     if max_n <= 0 or rows.numel() == 0:
         return
     grid = (rows.numel(), triton.cdiv(max_n, BLOCK))
-    _row_check_kernel[grid](rows, nrec, table, sig, stamp, row_bad, slots, table.stride(0), sig.stride(0), page_size,
-                            stamp.numel(), BLOCK=BLOCK)  # fmt: skip
+    _row_check_kernel[grid](rows, seq_lens, table, sig, stamp, row_bad, slots, table.stride(0), sig.stride(0),
+                            page_size, stamp.numel(), BLOCK=BLOCK)  # fmt: skip
