@@ -26,7 +26,7 @@ def _state(seed: int, ps: int, batch: int, corrupt: int, backend: str) -> tuple[
     s = PoolState(num_pages, ps, "cpu", backend=backend)  # type: ignore[arg-type]
     s.bind(ROWS, WIDTH)
     table = torch.zeros(ROWS, WIDTH, dtype=torch.int32)
-    s.stamp += torch.randint(0, 5, (num_pages,), generator=gen)
+    s.stamp[:num_pages] += torch.randint(0, 5, (num_pages,), generator=gen)
     rows = torch.randperm(ROWS - 1, generator=gen)[:batch].add(1).tolist()
     for row in rows:
         n = int(torch.randint(1, WIDTH // ps + 1, (1,), generator=gen))
@@ -91,7 +91,7 @@ def test_decode_record_then_reuse_and_a_page_handed_out_twice(ps, backend):
     rows, rows_h, seq = torch.tensor([1, 2, 3]), np.array([1, 2, 3]), np.array([ps, ps, ps])
     slots = torch.tensor([20 * ps, 21 * ps, 21 * ps])  # rows 2 and 3 both get page 21 (it was freed twice)
     table[rows, ps] = slots.to(torch.int32)
-    s.handed_decode(slots, True)
+    s.handed_decode(slots, len(slots))
     s.record_decode(table, slots, rows, torch.from_numpy(seq), rows_h, seq)
     assert s.nrec_host[rows_h].tolist() == [2, 2, 2]
     seq_after = torch.from_numpy(seq + 1)
@@ -138,7 +138,7 @@ def test_a_clean_steps_functions_run_on_meta_tensors_the_abort_path_does_not(ps)
     rows, seq = torch.tensor([1, 2], device="meta"), torch.tensor([3 * ps, 2 * ps], device="meta")
     slots = torch.zeros(2, dtype=torch.int64, device="meta")
     s.handed(torch.zeros(3 * ps, dtype=torch.int64, device="meta"))
-    s.handed_decode(slots, True)
+    s.handed_decode(slots, len(slots))
     s.record_decode(table, slots, rows, seq, np.array([1, 2]), np.array([3 * ps, 2 * ps]))
     out = s.check(table, rows, seq + 1, np.array([3 * ps + 1, 2 * ps + 1]), slots)
     marked = mark(torch.zeros(2, dtype=torch.int64, device="meta"), s.verdict(rows))

@@ -19,9 +19,12 @@ Where each piece sits in SGLang 0.5.23's step (hooks registered by ``sglang.py``
    pages the row lost that the request still owned.
 
 A speculative-decoding batch keeps a synchronous path: the verdict is read in ``prepare_for_decode`` (a host sync)
-and the flagged requests' tokens of that step are dropped in 4. TP ranks need no collective: the verdict is a
-function of the scheduler's replicated bookkeeping; ``QUANTKIT_KV_INTEGRITY_TP_SYNC=1`` (read at registration) adds
-a device-side all-reduce of the verdict on the forward stream.
+and the flagged requests' tokens of that step are dropped in 4; so does a mixed batch (``--enable-mixed-chunk``),
+whose decoding requests are finished through SGLang's ``discard_output_reason`` (no token committed).
+
+TP ranks need no collective: the verdict is a function of the scheduler's replicated bookkeeping;
+``QUANTKIT_KV_INTEGRITY_TP_SYNC=1`` (read at registration) adds a device-side all-reduce of it on the forward
+stream.
 """
 
 from __future__ import annotations
@@ -86,8 +89,10 @@ def _prepare_for_decode(original: Original, self: ScheduleBatch, *args: object, 
     if tracker is None or not self.reqs:
         return out
     _STATE.checks += 1
+    stash, tracker.next_seq = tracker.next_seq, None
+    seq_host = stash[1] if stash is not None and stash[0] is self else self.seq_lens_cpu.numpy()
     self.out_cache_loc = tracker.check(self.req_to_token_pool.req_to_token, self.req_pool_indices, self.seq_lens,
-                                       self.seq_lens_cpu.numpy(), self.out_cache_loc)  # fmt: skip
+                                       seq_host, self.out_cache_loc)  # fmt: skip
     if not self.spec_algorithm.is_none():
         _screen_now(self, tracker)
     return out
@@ -112,7 +117,8 @@ def _after_forward(result: GenerationBatchResult | None, self: TpModelWorker, ba
     if result is None or batch is None or not batch.spec_algorithm.is_none():
         return
     mode = batch.forward_mode
-    if not (mode.is_decode() or mode.is_mixed()):
+    mixed = mode.is_mixed()
+    if not (mixed or mode.is_decode()):
         return
     tracker = _tracker(batch)
     if tracker is None:
@@ -120,7 +126,22 @@ def _after_forward(result: GenerationBatchResult | None, self: TpModelWorker, ba
     verdict = tracker.verdict(batch.req_pool_indices)
     if _STATE.tp_sync:
         verdict = -agree_flags(-verdict, _tp_device_group())
-    result.__dict__[_BAD] = verdict
+    if mixed:
+        _screen_mixed(batch, tracker, verdict)
+    else:
+        result.__dict__[_BAD] = verdict
+
+
+def _screen_mixed(batch: ScheduleBatch, tracker: PoolState, verdict: torch.Tensor) -> None:
+    """A mixed batch (``--enable-mixed-chunk``: decode requests ride a prefill) is processed by SGLang's prefill
+    path, which finishes a request without committing the forward's token when ``discard_output_reason`` is set:
+    read the verdict now (a host sync, mixed batches only) and set it for the flagged decoding requests."""
+    bad = verdict.tolist()
+    decoding = set(map(id, batch.decoding_reqs or ()))
+    for i, req in enumerate(batch.reqs):
+        if bad[i] and id(req) in decoding and _PLAN not in req.__dict__ and not req.finished():
+            _plan_abort(batch, req, tracker)
+            req.discard_output_reason = req.to_finish
 
 
 def _tp_device_group() -> ProcessGroup:
@@ -136,10 +157,10 @@ def _tp_device_group() -> ProcessGroup:
 
 
 def _mark_result(result: GenerationBatchResult, ids: object) -> object:
+    """``ids`` with the verdict in them, once (one id per row: :func:`_after_forward` attaches a verdict only to a
+    non-speculative decode or mixed batch, whose sampler gives one id per row)."""
     verdict = result.__dict__.get(_BAD)
     if verdict is None or result.__dict__.get(_MARKED) or not isinstance(ids, torch.Tensor):
-        return ids
-    if ids.shape != verdict.shape:
         return ids
     result.__dict__[_MARKED] = True
     return mark(ids, verdict)

@@ -134,8 +134,8 @@ def _after_alloc(result: torch.Tensor | None, self: BaseTokenToKVPoolAllocator, 
 def _after_token_alloc(result: torch.Tensor | None, self: BaseTokenToKVPoolAllocator, need_size: int) -> None:
     """Page size 1 (every allocation, a decode step's included): bump, and keep the stamps for the decode record."""
     tracker = tracker_of(self)
-    if tracker is not None and isinstance(result, torch.Tensor) and result.numel():
-        tracker.handed_decode(result, True)
+    if tracker is not None and isinstance(result, torch.Tensor):
+        tracker.handed_decode(result, need_size)
 
 
 def _after_alloc_decode(result: torch.Tensor | None, self: BaseTokenToKVPoolAllocator, seq_lens: torch.Tensor,
@@ -143,9 +143,9 @@ def _after_alloc_decode(result: torch.Tensor | None, self: BaseTokenToKVPoolAllo
     """Paged decode allocation (``seq_lens_cpu``: lengths with the new token): the host knows which rows open a page,
     so a step that opens none costs nothing."""
     tracker = tracker_of(self)
-    if tracker is not None and isinstance(result, torch.Tensor) and result.numel():
-        opens = bool(((seq_lens_cpu.numpy() - 1) % self.page_size == 0).any())
-        tracker.handed_decode(result, opens)
+    if tracker is not None and isinstance(result, torch.Tensor):
+        seq = seq_lens_cpu.numpy()
+        tracker.handed_decode(result, len(seq) if ((seq - 1) % self.page_size == 0).any() else 0)
 
 
 def _after_clear(result: None, self: BaseTokenToKVPoolAllocator) -> None:
@@ -172,7 +172,7 @@ def _after_pool_clear(result: None, self: ReqToTokenPool) -> None:
 
 def _bind(pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator) -> PoolState | None:
     tracker = tracker_of(allocator)
-    if tracker is not None:
+    if tracker is not None and pool.__dict__.get("_quantkit_tracker") is not tracker:
         pool.__dict__["_quantkit_tracker"] = tracker
         tracker.bind(*pool.req_to_token.shape)
     return tracker
@@ -246,8 +246,10 @@ def _after_alloc_for_decode(result: torch.Tensor, batch: ScheduleBatch, token_pe
         record_rows(pool, batch.tree_cache.token_to_kv_pool_allocator, batch.req_pool_indices_cpu.tolist(), ends,
                     [0] * len(ends))  # fmt: skip
         return
+    seq = batch.seq_lens_cpu.numpy()
     tracker.record_decode(pool.req_to_token, result, batch.req_pool_indices, batch.seq_lens,
-                          batch.req_pool_indices_cpu.numpy(), batch.seq_lens_cpu.numpy())  # fmt: skip
+                          batch.req_pool_indices_cpu.numpy(), seq)  # fmt: skip
+    tracker.next_seq = (batch, seq + 1)  # the lengths prepare_for_decode is about to set: the check's extent
 
 
 def _after_alloc_for_spec_decode(result: None, tree_cache: BasePrefixCache, req_to_token_pool: ReqToTokenPool, *,

@@ -2,9 +2,10 @@
 
 State, all on the pool's device:
 
-- ``stamp[num_pages]`` int64, the live stamp of each physical page: ``page << 32 | tag``. The tag part moves by
-  one on every free and every hand-out, so a stamp taken when a request was given a page stops matching the
+- ``stamp[num_pages + 1]`` int64, the live stamp of each physical page: ``page << 32 | tag``. The tag part moves
+  by one on every free and every hand-out, so a stamp taken when a request was given a page stops matching the
   moment the page is reused behind its back; the page part makes a row entry pointing at another page differ too.
+  The last entry is a sentinel no record equals: the check clamps an out-of-range row entry onto it.
 - ``sig[rows, pages_per_row + 1]`` int64, parallel to SGLang's ``req_to_token``: the stamp row ``r``'s ``j``-th
   page must still carry (:data:`NEVER` never matches; the last column is a write-off slot for masked scatters).
 - on the host only, ``nrec_host[rows]`` (numpy): pages recorded per row. The check's extent is SGLang's own
@@ -42,6 +43,7 @@ NEVER_TAG = TAG_MASK  # the tag part of a record that never matches its page's l
 NEVER = -1  # a record with no valid page (never matches: live stamps are >= 0)
 Backend = Literal["torch", "triton"]
 _CHUNK = 1 << 22  # check cells per torch launch group (bounds the temporaries to a few tens of MB)
+_SENTINEL = -2  # stamp of the check's out-of-range slot: no record equals it
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,17 @@ class PoolState:
         self.num_pages, self.page_size = num_pages, page_size
         self.device = torch.device(device)
         self.backend: Backend = backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.stamp = (torch.arange(num_pages, dtype=torch.int64, device=self.device) << TAG_BITS) + start
+        self.stamp = (torch.arange(num_pages + 1, dtype=torch.int64, device=self.device) << TAG_BITS) + start
+        self.stamp[num_pages] = _SENTINEL
         self.tree_stamp = torch.full((num_pages + 1,), NEVER, dtype=torch.int64, device=self.device)
         self.tree_keys = torch.zeros(num_pages + 1, dtype=torch.int64, device=self.device)
         self._hand = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
-        self._ones = torch.ones(1024, dtype=torch.int64, device=self.device)
+        self._ones, self._ones_n = torch.ones(1024, dtype=torch.int64, device=self.device), 1024
         self._never = torch.tensor(NEVER, dtype=torch.int64, device=self.device)
-        self._cols = torch.arange(1024, dtype=torch.int64, device=self.device)
+        self._starts, self._starts_n = self._page_starts(1024), 1024  # first token of each page of a row
+        self.bound = False
+        self.write_off = 0
+        self.next_seq: tuple[object, np.ndarray] | None = None  # (batch, lengths after its decode token), for check
         self.sig = torch.full((0, 1), NEVER, dtype=torch.int64, device=self.device)
         self.row_bad = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.nrec_host = np.zeros(0, dtype=np.int64)
@@ -102,16 +108,14 @@ class PoolState:
     # ---- shape ---------------------------------------------------------------------------------------------------
     def bind(self, rows: int, row_tokens: int) -> None:
         """Size the row tables for a ``req_to_token`` of ``rows x row_tokens`` (once; a new pool gets a new state)."""
-        if self.sig.shape[0] == rows:
+        if self.bound:
             return
         cols = -(-row_tokens // self.page_size)
         self.sig = torch.full((rows, cols + 1), NEVER, dtype=torch.int64, device=self.device)
         self.row_bad = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self.nrec_host = np.zeros(rows, dtype=np.int64)
-
-    @property
-    def bound(self) -> bool:
-        return self.sig.shape[0] > 0
+        self.write_off = cols  # the sig column masked scatters write into
+        self.bound = True
 
     def upload(self, values: np.ndarray) -> torch.Tensor:
         """Host int64 values on the device without blocking the host (pinned staging off the CPU)."""
@@ -121,14 +125,19 @@ class PoolState:
         return host.to(self.device, non_blocking=True)
 
     def _ones_like(self, n: int) -> torch.Tensor:
-        if n > self._ones.numel():
-            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int64, device=self.device)
+        if n > self._ones_n:
+            self._ones_n = max(n, 2 * self._ones_n)
+            self._ones = torch.ones(self._ones_n, dtype=torch.int64, device=self.device)
         return self._ones[:n]
 
-    def _arange(self, n: int) -> torch.Tensor:
-        if n > self._cols.numel():
-            self._cols = torch.arange(max(n, 2 * self._cols.numel()), dtype=torch.int64, device=self.device)
-        return self._cols[:n]
+    def _page_starts(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.int64, device=self.device) * self.page_size
+
+    def _starts_upto(self, n: int) -> torch.Tensor:
+        if n > self._starts_n:
+            self._starts_n = max(n, 2 * self._starts_n)
+            self._starts = self._page_starts(self._starts_n)
+        return self._starts[:n]
 
     # ---- memory events -------------------------------------------------------------------------------------------
     def freed(self, pages: torch.Tensor) -> None:
@@ -144,16 +153,16 @@ class PoolState:
         opened = (slots % self.page_size == 0).long()
         self.stamp.index_add_(0, slots // self.page_size, opened)
 
-    def handed_decode(self, slots: torch.Tensor, opens: bool) -> None:
-        """A decode allocation (one slot per row; ``opens``: the host knows some row opens a page): bump the opened
-        pages and keep their stamps from before the bump for :meth:`record_decode` (a page handed to two rows in
-        this one call then matches neither)."""
+    def handed_decode(self, slots: torch.Tensor, n: int) -> None:
+        """A decode allocation of ``n`` slots, one per row (``n = 0``: the host knows no row opens a page): bump the
+        opened pages and keep their stamps from before the bump for :meth:`record_decode` (a page handed to two rows
+        in this one call then matches neither)."""
         self.pending = None
-        if not opens:
+        if not n:
             return
         if self.page_size == 1:
             before = self.stamp.index_select(0, slots)
-            self.stamp.index_add_(0, slots, self._ones_like(slots.numel()))
+            self.stamp.index_add_(0, slots, self._ones_like(n))
             self.pending = (slots, before, None)
             return
         pages, opened = slots // self.page_size, slots % self.page_size == 0
@@ -183,7 +192,7 @@ class PoolState:
             if opened is None:
                 self.sig.index_put_((rows, seq_lens), expected)
             else:  # rows that did not open a page write into the write-off column
-                self.sig.index_put_((rows, torch.where(opened, seq_lens // ps, self.sig.shape[1] - 1)), expected)
+                self.sig.index_put_((rows, torch.where(opened, seq_lens // ps, self.write_off)), expected)
             self.nrec_host[rows_host[opens]] = seq_host[opens] // ps + 1
         if len(gaps):
             ends = -(-(seq_host[gaps] + 1) // ps)
@@ -284,21 +293,23 @@ class PoolState:
             row_check_triton(rows, seq_lens, table, self.sig, self.stamp, self.row_bad, slots, ps, max_n)
             return slots
         step = max(1, _CHUNK // max_n)
-        for lo in range(0, len(seq_host), step):
-            self._check_torch(table, rows[lo : lo + step], seq_lens[lo : lo + step], max_n)
-        return torch.bitwise_and(slots, ~self.row_bad.index_select(0, rows))
+        if step >= len(seq_host):
+            return self._check_torch(table, rows, seq_lens, max_n, slots)
+        parts = [self._check_torch(table, rows[lo : lo + step], seq_lens[lo : lo + step], max_n, slots[lo : lo + step])
+                 for lo in range(0, len(seq_host), step)]  # fmt: skip
+        return torch.cat(parts)
 
-    def _check_torch(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_n: int) -> None:
+    def _check_torch(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_n: int,
+                     slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
         ps = self.page_size
         page = table[:, : max_n * ps : ps].index_select(0, rows).long()
         if ps > 1:
             page = page // ps
-        pc = page.clamp(0, self.num_pages - 1)
-        now = self.stamp.index_select(0, pc.view(-1)).view_as(pc)
-        expected = self.sig[:, :max_n].index_select(0, rows)
-        inside = self._arange(max_n) * ps < seq_lens[:, None]
-        bad = (((now != expected) | (pc != page)) & inside).any(1)
-        self.row_bad.index_copy_(0, rows, torch.where(bad, -1, self.row_bad.index_select(0, rows)))
+        now = self.stamp.take(page.clamp_(0, self.num_pages))  # out of range -> the sentinel
+        bad = ((now != self.sig[:, :max_n].index_select(0, rows)) & (self._starts_upto(max_n) < seq_lens[:, None]))
+        flags = torch.where(bad.any(1), -1, self.row_bad.index_select(0, rows))
+        self.row_bad.index_copy_(0, rows, flags)
+        return torch.bitwise_and(slots, ~flags)
 
     def verdict(self, rows: torch.Tensor) -> torch.Tensor:
         """``row_bad`` of ``rows`` (0 clean, -1 failed): what :func:`mark` applies to the sampled ids."""
@@ -344,7 +355,7 @@ class PoolState:
 
     def rebuild_start(self) -> int:
         """The first tag of a table that replaces this one (above every live tag): read at pool clear only."""
-        return int((self.stamp & TAG_MASK).max()) + 1
+        return int((self.stamp[: self.num_pages] & TAG_MASK).max()) + 1
 
 
 def _tag(stamp: int) -> int:
