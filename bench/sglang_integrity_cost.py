@@ -13,13 +13,15 @@ one token each, so at page size > 1 page openings spread over steps as in a real
 - ``guarded``: the same with the plugin's state, plus what the plugin adds after the forward: the verdict gathered
   onto the result, the mark of the ids, the host scan (``added`` = guarded - bookkeeping: everything on the CPU,
   the check's gather-compare included, executed by torch on the CPU);
-- ``check``: the check alone on the clean batch (executed on the CPU), and ``check_dispatch``: the same calls with
-  every row cut to one page (what issuing the check costs the host; its torch path is ~20 small launches, on CUDA
-  it is one Triton launch, whose host cost needs a GPU to measure);
-- ``host`` (new plugin only) = added - check + check_dispatch: the added host CPU with the check's gather-compare
-  over the context taken out, i.e. on a GPU server (where that gather runs on the device), with the check issued
-  as the torch path's ~20 launches (an upper bound: on CUDA it is one Triton launch); ``host_no_check`` = added -
-  check: everything else the plugin does per step (the lower bound). Neither may grow with the context.
+- ``host`` (new plugin only): the guarded step again with the check's extent cut to one page per row: every hook
+  and every launch the plugin issues, but a negligible gather-compare, i.e. what a GPU server's host pays (there
+  the gather runs on the device); ``host_added`` = host - bookkeeping. The check is issued as the torch path's ~20
+  small launches (on CUDA it is one Triton launch, whose host cost needs a GPU to measure): an upper bound.
+  It must not grow with the context;
+- ``check``: the check alone on the clean batch (executed on the CPU), ``check_dispatch`` the same cut to one page.
+
+The three steps run interleaved on two engines (plain and guarded) built first, so a shared machine's drift hits
+them alike; medians of ``--repeats`` samples.
 
 ``--before TREE`` first runs this script against another checkout (e.g. a worktree of main) in a subprocess, then
 the current one, and prints both side by side: same workload, same machine, one command. With the old plugin
@@ -80,7 +82,7 @@ def _engine(ps: int, batch: int, context: int, repeats: int, guarded: bool, vers
     return camp
 
 
-def _cpu_us(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+def _cpu_us(fn: Callable[[], object], repeats: int) -> tuple[float, float]:  # the check alone
     """(median, mean) process CPU time of one call in µs: CPU time, not wall, so a shared machine's descheduling
     does not land in the figure."""
     samples = []
@@ -129,25 +131,60 @@ def _check_us(camp: object, repeats: int) -> tuple[float, float]:
     return full, _cpu_us(lambda: tracker.check(table, rows, one, one_host, loc), repeats)[0]
 
 
+def _host_mode(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the check's extent cut to one page per row: the same host work (every hook, every launch), a
+    negligible gather-compare (what a GPU server's host pays when that gather runs on the device)."""
+    from quantkit.serving.integrity.state import PoolState
+
+    check = PoolState.check
+
+    def one_page(self: PoolState, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                 seq_host: np.ndarray, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return check(self, table, rows, torch.ones_like(seq_lens), np.ones_like(seq_host), slots)
+
+    def run() -> None:
+        PoolState.check = one_page
+        try:
+            step()
+        finally:
+            PoolState.check = check
+
+    return run
+
+
 def measure(ps: int, batch: int, context: int, repeats: int, version: str) -> Row:
+    """Both engines built first, their steps interleaved (so drifts of a shared machine hit both alike), medians of
+    process CPU time; the garbage collector is off while timing."""
     row: Row = {"page_size": ps, "batch": batch, "context": context}
-    for guarded in (False, True):
-        camp = _engine(ps, batch, context, repeats, guarded, version)
-        assert len(camp.running.reqs) == batch, "the pool did not admit the whole batch"
-        step = _step(camp.running, guarded)
+    plain = _engine(ps, batch, context, 3 * repeats, False, version)
+    guarded = _engine(ps, batch, context, 3 * repeats, True, version)
+    assert len(plain.running.reqs) == len(guarded.running.reqs) == batch, "the pool did not admit the whole batch"
+    steps = {"bookkeeping": _step(plain.running, False), "guarded": _step(guarded.running, True)}
+    if NEW:
+        steps["host"] = _host_mode(_step(guarded.running, True))
+    for step in steps.values():
         step()  # warm
-        key = "guarded" if guarded else "bookkeeping"
-        row[f"{key}_us"], row[f"{key}_mean_us"] = _cpu_us(step, repeats)
-        if guarded:
-            row["check_us"], row["check_dispatch_us"] = _check_us(camp, max(5, repeats // 2))
-        del camp, step
-        gc.collect()
+    samples: dict[str, list[float]] = {key: [] for key in steps}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for key, step in steps.items():
+                t0 = time.process_time()
+                step()
+                samples[key].append((time.process_time() - t0) * 1e6)
+        row["check_us"], row["check_dispatch_us"] = _check_us(guarded, max(5, repeats // 2))
+    finally:
+        gc.enable()
+    for key, values in samples.items():
+        row[f"{key}_us"], row[f"{key}_mean_us"] = statistics.median(values), statistics.fmean(values)
     row["added_us"] = row["guarded_us"] - row["bookkeeping_us"]
     row["added_mean_us"] = row["guarded_mean_us"] - row["bookkeeping_mean_us"]
-    if NEW:  # the added work less the check's gather-compare over the context, which a GPU runs
-        row["host_no_check_us"] = row["added_us"] - row["check_us"]
-        row["host_us"] = row["host_no_check_us"] + row["check_dispatch_us"]
-        row["host_mean_us"] = row["added_mean_us"] - row["check_us"] + row["check_dispatch_us"]
+    if NEW:  # the plugin's host work per step, the check's gather-compare over the context taken out
+        row["host_added_us"] = row["host_us"] - row["bookkeeping_us"]
+        row["host_added_mean_us"] = row["host_mean_us"] - row["bookkeeping_mean_us"]
+    del plain, guarded, steps
+    gc.collect()
     return row
 
 
@@ -170,16 +207,16 @@ def _before(args: argparse.Namespace) -> list[Row]:
 
 def _print(rows: list[Row], before: dict[tuple, Row]) -> None:
     print("page batch context | bookkeeping µs | before: added µs (x bk) | after: added µs (x bk) | "
-          "after, host: upper (x bk), lower (x bk) | check µs before / after (dispatch)")
+          "after: host added µs (x bk) | check µs before / after (dispatch)")
     for r in rows:
         key = (r["page_size"], r["batch"], r["context"])
         bk, old = r["bookkeeping_us"], before.get(key)
         old_added = old["guarded_us"] - old["bookkeeping_us"] if old else float("nan")
         old_bk = old["bookkeeping_us"] if old else float("nan")
-        host, low = r.get("host_us", float("nan")), r.get("host_no_check_us", float("nan"))
+        host = r.get("host_added_us", float("nan"))
         print(f"{key[0]:>4} {key[1]:>5} {key[2]:>7} | {bk:6.0f} | {old_added:7.0f} ({old_added / old_bk:5.1f}x) | "
-              f"{r['added_us']:7.0f} ({r['added_us'] / bk:5.1f}x) | {host:6.0f} ({host / bk:4.2f}x), {low:6.0f} "
-              f"({low / bk:4.2f}x) | {old['check_us'] if old else float('nan'):7.0f} / {r['check_us']:7.0f} "
+              f"{r['added_us']:7.0f} ({r['added_us'] / bk:5.1f}x) | {host:6.0f} ({host / bk:4.2f}x) | "
+              f"{old['check_us'] if old else float('nan'):7.0f} / {r['check_us']:7.0f} "
               f"({r.get('check_dispatch_us', float('nan')):4.0f})", flush=True)
 
 
