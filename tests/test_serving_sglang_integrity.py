@@ -80,6 +80,14 @@ def test_checkpoint_rewrite_of_a_row_is_not_a_mismatch(report):
     assert r["rows_share_prefix"] and r["aborts"] == 0 and r["wrong"] == 0
 
 
+def test_mixed_batch_aborts_the_flagged_decode_request_without_its_token(report):
+    r = report["mixed"]
+    assert r["mode_mixed"] and r["aborted"] == [r["victim"]] and r["kv_released"]
+    assert r["victim_tokens"] == 0 and r["other_tokens"] == 1 and r["prefill_tokens"] == 1
+    assert r["streamed"]["message"] == "KV page integrity check failed (quantkit)"
+    assert r["streamed"]["status_code"] == 500
+
+
 def test_clear_makes_every_old_record_stale(report):
     r = report["clear"]
     assert r["replaced"] and r["min_new"] > r["max_old"]

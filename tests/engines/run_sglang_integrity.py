@@ -115,6 +115,46 @@ def shared_prompt_rewrite(version: str) -> dict:
             "wrong": camp.res.wrong_data_served}
 
 
+def mixed_batch(version: str) -> dict:
+    """``--enable-mixed-chunk``: two decoding requests ride a prefill (SGLang's ``mix_with_running``), one of them
+    lost a page; SGLang's prefill-path result processing must finish it with the integrity abort and no token."""
+    import torch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    from quantkit.serving.integrity import sglang as plugin
+    from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign, _spec_none
+    from quantkit.serving.integrity.sglang_check import _after_forward
+
+    camp = _Campaign(CampaignConfig(page_size=16, fault_rate=0.0, arrival_rate=0.0, abort_rate=0.0), version)
+    victim, other = (camp.request(list(range(b, b + 40)), max_new=40, stream=True) for b in (100, 200))
+    camp.waiting += [victim, other]
+    while camp.running is None or len(camp.running.reqs) < 2:
+        camp.step()
+    camp.step()
+    camp._free(camp._pages(victim)[-1])
+    before = {r.rid: len(r.output_ids) for r in (victim, other)}
+    new_req = camp.request(list(range(300, 330)), max_new=40, stream=True)
+    new_req.init_next_round_input(camp.e.tree)
+    new_req.extend_end = len(new_req.full_untruncated_fill_ids)
+    new_req.lock = camp.e.tree.lock(new_req.last_node)
+    batch = ScheduleBatch.init_new([new_req], camp.e.pool, camp.e.alloc, camp.e.tree, camp.e.model, False,
+                                   _spec_none())  # fmt: skip
+    batch.prepare_for_extend()
+    camp.running.prepare_for_decode()  # what get_new_batch_prefill does under --enable-mixed-chunk
+    batch.mix_with_running(camp.running)
+    batch.decoding_reqs = camp.running.reqs
+    aborts = len(plugin.state().aborts)
+    result = GenerationBatchResult(next_token_ids=torch.tensor([5, 6, 7]))
+    _after_forward(result, None, batch)
+    camp.out.processor.process_batch_result_prefill(batch, result)
+    return {"mode_mixed": bool(batch.forward_mode.is_mixed()), "victim": victim.rid,
+            "aborted": [a.rid for a in plugin.state().aborts[aborts:]],
+            "victim_tokens": len(victim.output_ids) - before[victim.rid],
+            "other_tokens": len(other.output_ids) - before[other.rid], "prefill_tokens": len(new_req.output_ids),
+            "streamed": camp.out.sink.finished.get(victim.rid, {}), "kv_released": victim.kv.is_kv_released}
+
+
 def clear_makes_stale(version: str) -> dict:
     from quantkit.serving.integrity import sglang as plugin
     from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign
@@ -157,6 +197,7 @@ def main() -> None:
     report["premature_free"] = premature_free(version)
     report["shared_prompt_rewrite"] = shared_prompt_rewrite(version)
     report["clear"] = clear_makes_stale(version)
+    report["mixed"] = mixed_batch(version)
     report["campaigns"] = campaigns(version, steps)
     out.write_text(json.dumps(report))
 
