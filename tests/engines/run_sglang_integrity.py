@@ -165,8 +165,8 @@ def clear_makes_stale(version: str) -> dict:
     new = plugin.tracker_of(camp.e.alloc)
     from quantkit.serving.integrity.state import TAG_MASK
 
-    return {"replaced": new is not old, "min_new": int((new.stamp & TAG_MASK).min()),
-            "max_old": int((old.stamp & TAG_MASK).max())}
+    return {"replaced": new is not old, "min_new": int((new.stamp[: new.num_pages] & TAG_MASK).min()),
+            "max_old": int((old.stamp[: old.num_pages] & TAG_MASK).max())}
 
 
 def campaigns(version: str, steps: int) -> list[dict]:

@@ -60,7 +60,7 @@ def _roots(counter, camp) -> None:  # noqa: ANN001 - harness objects
     tracker = plugin.tracker_of(e.alloc)
     if tracker is not None:
         counter.tag(tracker.stamp, tracker.sig, tracker.row_bad, tracker.tree_stamp, tracker.tree_keys,
-                    tracker._hand, tracker._ones, tracker._cols, tracker._never)  # fmt: skip
+                    tracker._hand, tracker._ones, tracker._starts, tracker._never)  # fmt: skip
 
 
 def _window(counter, camp, steps: int) -> dict:  # noqa: ANN001

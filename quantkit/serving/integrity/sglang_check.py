@@ -91,10 +91,12 @@ def _prepare_for_decode(original: Original, self: ScheduleBatch, *args: object, 
     _STATE.checks += 1
     stash, tracker.next_seq = tracker.next_seq, None
     seq_host = stash[1] if stash is not None and stash[0] is self else self.seq_lens_cpu.numpy()
-    self.out_cache_loc = tracker.check(self.req_to_token_pool.req_to_token, self.req_pool_indices, self.seq_lens,
-                                       seq_host, self.out_cache_loc)  # fmt: skip
-    if not self.spec_algorithm.is_none():
+    table = self.req_to_token_pool.req_to_token
+    if not self.spec_algorithm.is_none():  # no per-step out_cache_loc on a speculative batch: nothing to redirect
+        tracker.check(table, self.req_pool_indices, self.seq_lens, seq_host, None)
         _screen_now(self, tracker)
+        return out
+    self.out_cache_loc = tracker.check(table, self.req_pool_indices, self.seq_lens, seq_host, self.out_cache_loc)
     return out
 
 

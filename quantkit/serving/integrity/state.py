@@ -273,14 +273,14 @@ class PoolState:
 
     # ---- the check -----------------------------------------------------------------------------------------------
     def check(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, seq_host: np.ndarray,
-              slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+              slots: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
         """One fused gather-compare over every page the step's attention reads (``ceil(seq_lens / page_size)`` per
         row, SGLang's device lengths; ``seq_host`` its host copy, for the launch size): ORs ``-1`` into ``row_bad``
         of each row with a page whose live stamp differs from its record, and points such a row's decode write
         (``slots``, SGLang's ``out_cache_loc``) at slot 0, SGLang's padding slot: a flagged request still runs its
         forward (nothing is read back to take it out of the batch), but cannot write into a page that is someone
-        else's now. Returns the slots the forward must use (``slots`` itself, updated in place, on Triton).
-        Enqueued only: nothing is read back."""
+        else's now. Returns the slots the forward must use (``slots`` itself, updated in place, on Triton;
+        ``slots=None``: no redirect). Enqueued only: nothing is read back."""
         if not len(seq_host):
             return slots
         ps = self.page_size
@@ -292,6 +292,8 @@ class PoolState:
 
             row_check_triton(rows, seq_lens, table, self.sig, self.stamp, self.row_bad, slots, ps, max_n)
             return slots
+        if slots is None:
+            slots = torch.zeros(len(seq_host), dtype=torch.int64, device=self.device)
         step = max(1, _CHUNK // max_n)
         if step >= len(seq_host):
             return self._check_torch(table, rows, seq_lens, max_n, slots)

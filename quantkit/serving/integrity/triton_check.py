@@ -156,7 +156,7 @@ def row_check_triton(
     sig: torch.Tensor,
     stamp: torch.Tensor,
     row_bad: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | None,
     page_size: int,
     max_n: int,
 ) -> None:
@@ -170,6 +170,8 @@ def row_check_triton(
         raise ValueError("req_to_token and the record table must be row-major 2-D tensors")
     if max_n <= 0 or rows.numel() == 0:
         return
+    if slots is None:  # no write to redirect (a speculative batch): a scratch target
+        slots = torch.empty(rows.numel(), dtype=torch.int64, device=rows.device)
     grid = (rows.numel(), triton.cdiv(max_n, BLOCK))
     _row_check_kernel[grid](rows, seq_lens, table, sig, stamp, row_bad, slots, table.stride(0), sig.stride(0),
                             page_size, stamp.numel(), BLOCK=BLOCK)  # fmt: skip
