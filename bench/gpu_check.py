@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.section == "boxes":
         for section in run_order():
-            print(section.name, section.smoke_box_s if a.smoke else section.box_s)
+            print(section.name, section.smoke_box_s if a.smoke else section.box_s, int(section.extra))
         return 0
     if a.out is None:
         ap.error("the following arguments are required: --out")

@@ -61,12 +61,13 @@ flag=()
 [ "$smoke" = 1 ] && flag=(--smoke)  # CPU: the same sections at tiny sizes; the time boxes only stop a hang
 # The sections, in the order they run, and their time boxes (seconds): bench/gpu_sections/__init__.py. GPU-only
 # sections come first; the tests and the tiny model last, when their background preparation is done.
-declare -A budget=()
+declare -A budget=() extra=()
 order=()
 boxes="$("$py" "$repo/bench/gpu_check.py" boxes "${flag[@]}")" || { echo "gpu_check.sh: no section list" >&2; exit 2; }
-while read -r name secs; do
+while read -r name secs is_extra; do
   order+=("$name")
   budget[$name]=$secs
+  extra[$name]=${is_extra:-0}
 done <<<"$boxes"
 # GPU_CHECK_BOXES="kernels=200,tests=60" overrides time boxes (seconds), e.g. for a rerun of a few sections
 for kv in ${GPU_CHECK_BOXES:+${GPU_CHECK_BOXES//,/ }}; do
@@ -121,6 +122,7 @@ run_section() {
 
 for name in "${order[@]}"; do
   if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then continue; fi
+  if [ -z "$only" ] && [ "${extra[$name]}" = 1 ]; then continue; fi  # extra sections: only by name (--only)
   if [ "$name" = gptq_tiny ] && [ -n "${tiny_pid:-}" ]; then
     wait "$tiny_pid" 2>/dev/null  # the tiny model's training (bounded by its own timeout)
     tail -n 2 "$work/prep_tiny.log" | sed 's/^/   tiny model: /'

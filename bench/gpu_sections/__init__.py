@@ -28,6 +28,9 @@ class Section:
     # 0: needs the GPU only, runs first; 1..3: runs after the background CPU preparation (the CUDA
     # extension's build, the tiny model's training) that overlaps stage 0
     stage: int = 0
+    # True: run only when named in `gpu_check.sh --only` (a second call): one call returns at most 8 files
+    # from $OUT (7 default sections + summary.md) and stays inside the 10-minute call limit
+    extra: bool = False
 
     def module(self) -> ModuleType:
         return importlib.import_module(f"gpu_sections.{self.name}")
@@ -50,6 +53,8 @@ REGISTRY: tuple[Section, ...] = (
     Section("gptq_tiny", "GPTQ on cuda: tiny trained model vs the CPU run", 70, 240, stage=3),
     Section("gptq_layer", "GPTQ on cuda: one real-size GLM-5.2 MoE layer", 105, 120),
     Section("rtn", "RTN on cuda: the real-size layer", 20, 120),
+    Section("integrity_server", "Integrity plugin in a real SGLang server: decode tok/s off / on (overlap on)", 240,
+            120, extra=True),
 )
 BY_NAME: dict[str, Section] = {s.name: s for s in REGISTRY}
 SECTIONS: dict[str, str] = {s.name: s.title for s in REGISTRY}  # file stem -> title, in the summary's order

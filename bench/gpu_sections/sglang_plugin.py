@@ -5,9 +5,7 @@ page (quantkit.serving.pd.sglang, bench/pd_kv_pages.py)."""
 
 from __future__ import annotations
 
-import time
-
-from gpu_sections.common import REAL_MODELS, Context, Report, SectionData, device_name, sync, torch_device
+from gpu_sections.common import REAL_MODELS, Context, Report, SectionData, device_name, torch_device
 
 
 def _pd_pages(ctx: Context, rep: Report, device_type: str) -> None:
@@ -30,15 +28,11 @@ def _pd_pages(ctx: Context, rep: Report, device_type: str) -> None:
 
 def run(ctx: Context, rep: Report) -> None:
     """The PD plugin's page conversion per page (first: 15 s), then the integrity plugin's per-step device work
-    on cuda: `_after_alloc_for_decode`'s record (live-tag lookup + one scatter into the ledger, for the requests
-    whose decode token opens a page) plus the check, timed together per decode step; SGLang itself is not
-    needed (the hooks' bodies run on quantkit's tracker)."""
-    import statistics
-
-    import torch
-
-    from quantkit.serving.integrity.bench import _build, decode_step
-    from quantkit.serving.integrity.sglang_hooks import _fresh_tags
+    on cuda (issue 27: allocation bump + decode record + the check with its write redirect + the verdict and the
+    mark, `quantkit.serving.integrity.plugin_bench.plugin_step`), synchronised per step, and the host time to
+    issue it; SGLang itself is not needed (the hooks' bodies run on quantkit's `PoolState`)."""
+    from quantkit.serving.integrity.bench import decode_step
+    from quantkit.serving.integrity.plugin_bench import plugin_step
 
     device = torch_device(ctx)
     rep.device = device_name(device)
@@ -53,24 +47,11 @@ def run(ctx: Context, rep: Report) -> None:
             for batch in batches:
                 if page == 1 and batch * context > 2_000_000:
                     continue
-                tracker, dbatch = _build(batch, context, page, device)
-                new_pages = torch.randint(0, tracker.table.num_pages, (batch,), device=device)
-                fresh = torch.ones(batch, dtype=torch.bool, device=device)
-                scratch = torch.empty(batch, dtype=torch.int64, device=device)
-                samples = []
-                for _ in range(repeats + 1):
-                    sync(device)
-                    t = time.perf_counter()
-                    tags = _fresh_tags(tracker, new_pages, fresh)  # type: ignore[arg-type]
-                    scratch.copy_(tags)  # the ledger scatter's device traffic
-                    assert tracker.check(dbatch).clean
-                    sync(device)
-                    samples.append(time.perf_counter() - t)
-                us = statistics.median(samples[1:]) * 1e6
-                row = {"page_size": page, "batch": batch, "context": context, "step_us": us}
+                row = {"page_size": page, "batch": batch, "context": context,
+                       **plugin_step(batch, context, page, device, repeats)}
                 for model in REAL_MODELS:
                     seconds, source = decode_step(model, batch, context)
-                    row[f"pct_{model}"] = 100 * us / 1e6 / seconds
+                    row[f"pct_{model}"] = 100 * row["step_us"] / 1e6 / seconds
                     row["step_source"] = source
                 rep.figures["rows"].append(row)
                 rep.save()
