@@ -146,7 +146,8 @@ def work_split(src: Path, tokens: int) -> list[dict]:
     import torch
 
     from quantkit.calibrate import layers as L
-    from quantkit.calibrate.moe import quantize_experts
+    from quantkit.calibrate.experts import quantize_experts
+    from quantkit.calibrate.gptq import GPTQScheme
     from quantkit.checkpoint.source import open_source
     from quantkit.core.distributed import SINGLE, World
     from quantkit.quant.recipe import GPTQSettings
@@ -165,7 +166,7 @@ def work_split(src: Path, tokens: int) -> list[dict]:
             for x in xs:
                 moe(x)
         t = time.process_time()
-        quantize_experts(moe, "x.", 1, 32, GPTQSettings(), torch.bfloat16)
+        quantize_experts(moe, "x.", 1, GPTQScheme(32, 4, torch.bfloat16, GPTQSettings()))
         out.append({"world_size": size, "experts": len(moe.owned), "gptq_cpu_s": time.process_time() - t})
         print(f"work split: world {size}, rank 0 holds {len(moe.owned)} experts: expert GPTQ of one layer "
               f"{out[-1]['gptq_cpu_s']:.1f} CPU-s", flush=True)

@@ -134,15 +134,15 @@ def main() -> None:
     import transformers.models.deepseek_v3.modeling_deepseek_v3  # noqa: F401
     from transformers import AutoTokenizer
 
+    from quantkit.calibrate import experts, layer_pass, runner
     from quantkit.calibrate import layers as L
-    from quantkit.calibrate import moe, runner
     from quantkit.calibrate.data import calibration_tokens
     from quantkit.checkpoint.source import open_source
     from quantkit.quant.recipe import Recipe
 
     torch.set_num_threads(a.threads)
     if a.no_chunk_trim:
-        moe.release_free_memory = lambda: False
+        experts.release_free_memory = lambda: False
     tok = AutoTokenizer.from_pretrained(a.src)
     tokens = calibration_tokens(REPO / "calibration_data/default.jsonl", tok, a.samples, a.seq_len, 0)
     recipe = Recipe(method="gptq", calibration={"samples": a.samples, "seq_len": a.seq_len, "seed": 0})
@@ -168,12 +168,12 @@ def main() -> None:
 
     L.build_layer = build_with_hooks
     ph.wrap(runner.Acts, "open", "acts open", a.tensors)
-    ph.wrap(runner, "_forward_all", lambda *args, **_k: "pass 2" if args[5] is not None or args[6] is not None
+    ph.wrap(layer_pass, "forward_all", lambda *args, **_k: "pass 2" if args[5] is not None or args[6] is not None
             else "pass 1", a.tensors)
-    ph.wrap(runner, "quantize_experts", "quantize_experts", a.tensors)
-    ph.wrap(moe, "quantize_many", lambda ws, *r, **k: f"quantize_many x{len(ws)} {list(ws[0].shape)}")
-    ph.wrap(moe, "quantize_rows", lambda w, *r, **k: f"quantize_rows {list(w.shape)}")
-    ph.wrap(runner, "save_layer", "save_layer", a.tensors)
+    ph.wrap(layer_pass, "quantize_experts", "quantize_experts", a.tensors)
+    ph.wrap(experts, "quantize_many", lambda ws, *r, **k: f"quantize_many x{len(ws)} {list(ws[0].shape)}")
+    ph.wrap(experts, "quantize_rows", lambda w, *r, **k: f"quantize_rows {list(w.shape)}")
+    ph.wrap(layer_pass, "save_layer", "save_layer", a.tensors)
     t, cpu = time.perf_counter(), time.process_time()
     runner.run(source, recipe, work, None, runner.RunOptions(tokens=tokens, threads=a.threads))
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from quantkit.calibrate.asymmetric import CrossAccumulator, inverse_hessian, shifted_target
-from quantkit.calibrate.gptq import HessianAccumulator, prepare, quantize_rows
+from quantkit.calibrate.gptq import GPTQScheme, HessianAccumulator, prepare, quantize_rows
 from quantkit.calibrate.layer_store import fp_dir, layer_file
 from quantkit.calibrate.runner import RunOptions, run
 from quantkit.calibrate.tiny import build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.quant.int4 import QMAX, QMIN, dequantize_group, group_scales
-from quantkit.quant.recipe import Recipe
+from quantkit.quant.recipe import GPTQSettings, Recipe
 
 GS = 32
 
@@ -98,12 +98,12 @@ def test_gptq_on_target_equals_greedy_asymmetric_and_beats_plain_gptq():
     w = torch.randn(6, 64, generator=torch.Generator().manual_seed(5)) * 0.05
     f = prepare(h, 0.01)
     target = shifted_target(w, c, f)
-    q, s = quantize_rows(target, f, GS, block_size=16, scale_dtype=torch.float32)
+    q, s = quantize_rows(target, f, GPTQScheme(GS, 4, torch.float32, GPTQSettings(block_size=16)))
     lam = 0.01 * float(torch.diagonal(h).mean())
     ref = _greedy_reference(w.double(), x.double(), xq.double(), f.perm, lam,
                             group_scales(target, GS, torch.float32).double())
     assert float((q.long() == ref).float().mean()) > 0.98  # rounding ties aside, the same codes
-    plain_q, plain_s = quantize_rows(w, f, GS, block_size=16, scale_dtype=torch.float32)
+    plain_q, plain_s = quantize_rows(w, f, GPTQScheme(GS, 4, torch.float32, GPTQSettings(block_size=16)))
     asym = _err(w, dequantize_group(q, s, GS), x, xq)
     plain = _err(w, dequantize_group(plain_q, plain_s, GS), x, xq)
     assert asym < 0.8 * plain

@@ -14,7 +14,9 @@ from checkpoint_refs import read_all
 from safetensors.torch import load_file, save_file
 
 from quantkit.calibrate import layers as L
-from quantkit.calibrate.moe import ExpertMoE, quantize_experts
+from quantkit.calibrate.experts import quantize_experts
+from quantkit.calibrate.gptq import GPTQScheme
+from quantkit.calibrate.moe import ExpertMoE
 from quantkit.calibrate.tiny import CORPUS, build_tiny
 from quantkit.checkpoint.source import open_source
 from quantkit.convert.pipeline import convert
@@ -85,7 +87,7 @@ def test_experts_held_in_model_dtype_then_packed(layer):
     with torch.no_grad():
         before = moe(probe)
     _collect(module, cfg, keep_inputs=True)
-    packed, records = quantize_experts(moe, "x.", 1, 32, GPTQSettings(), source.model_dtype)
+    packed, records = quantize_experts(moe, "x.", 1, GPTQScheme(32, 4, source.model_dtype, GPTQSettings()))
     moe.stop_collecting()
     assert all(isinstance(w, PackedInt4) for e in moe.experts for w in e.values())
     assert len(packed) == 3 * len(moe.experts) and all(r["samples"]["down"] == 128 for r in records)
@@ -130,9 +132,9 @@ def test_routed_token_weighting_weights_routed_tokens(layer):
 
 def _quantize_counting_held(moe: ExpertMoE, source, monkeypatch) -> tuple[dict[str, PackedInt4], int]:
     """quantize_experts on 2-expert chunks; the most routed-expert weights held unquantized at once."""
-    import quantkit.calibrate.moe as moe_module
+    import quantkit.calibrate.experts as experts_module
 
-    monkeypatch.setattr(moe_module, "_ROWS_PER_CHUNK", {"cpu": 2 * 128, "cuda": 2 * 128})  # 2 experts per chunk
+    monkeypatch.setattr(experts_module, "ROWS_PER_CHUNK", {"cpu": 2 * 128, "cuda": 2 * 128})  # 2 experts per chunk
     held = [0]
     load = moe.load
 
@@ -141,7 +143,7 @@ def _quantize_counting_held(moe: ExpertMoE, source, monkeypatch) -> tuple[dict[s
         held[0] = max(held[0], sum(isinstance(w, torch.Tensor) for e in moe.experts for w in e.values()))
 
     monkeypatch.setattr(moe, "load", counting_load)
-    packed, _ = quantize_experts(moe, "x.", 1, 32, GPTQSettings(), source.model_dtype)
+    packed, _ = quantize_experts(moe, "x.", 1, GPTQScheme(32, 4, source.model_dtype, GPTQSettings()))
     return packed, held[0]
 
 
@@ -177,13 +179,15 @@ def test_lazy_experts_are_read_a_chunk_at_a_time_with_identical_results(layer, m
 
 def test_runner_releases_free_memory_at_phase_boundaries(layer, tmp_path, monkeypatch):
     """Each calibrated layer returns the allocator's free memory at its phase boundaries (glibc malloc_trim)."""
-    import quantkit.calibrate.moe as moe_module
+    import quantkit.calibrate.experts as moe_module  # the experts' GPTQ (split out of moe.py)
+    import quantkit.calibrate.layer_pass as layer_pass
     import quantkit.calibrate.runner as runner
     from quantkit.calibrate.memory import release_free_memory
 
     assert isinstance(release_free_memory(), bool)
     calls = []
     monkeypatch.setattr(runner, "release_free_memory", lambda: calls.append("runner") or True)
+    monkeypatch.setattr(layer_pass, "release_free_memory", lambda: calls.append("runner") or True)  # one layer
     monkeypatch.setattr(moe_module, "release_free_memory", lambda: calls.append("moe") or True)
     source = layer[0]
     tokens = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.calibrate.gptq import HessianAccumulator, gptq, prepare, quantize_rows, refit_scales, relative_error
+from quantkit.calibrate.gptq import (
+    GPTQScheme,
+    HessianAccumulator,
+    gptq,
+    prepare,
+    quantize_rows,
+    refit_scales,
+    relative_error,
+)
 from quantkit.quant.int4 import dequantize_group, group_scales, pack_int4, quantize_rtn, unpack_int4
+from quantkit.quant.recipe import GPTQSettings
 
 GS = 32
 
@@ -80,8 +89,8 @@ def test_scale_refit_solves_each_rows_least_squares_and_never_hurts():
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(8)) * 0.02
     w[3] = 0  # a row whose codes are all zero (GPTQ's updates stay inside a row): its scales must stay
     factor = prepare(h)
-    q, s0 = quantize_rows(w, factor, GS, refit=False)
-    _, s1 = quantize_rows(w, factor, GS)
+    q, s0 = quantize_rows(w, factor, GPTQScheme(GS, settings=GPTQSettings(refit_scales=False)))
+    _, s1 = quantize_rows(w, factor, GPTQScheme(GS))
     hd = factor.damped.double()
     dq0, dq1 = dequantize_group(q, s0, GS), dequantize_group(q, s1, GS)
     before, after = _objective(w, dq0, hd), _objective(w, dq1, hd)
@@ -109,9 +118,9 @@ def test_rows_are_independent_given_a_shared_factor():
     h = _hessian(_inputs(seed=5))
     f = prepare(h)
     a, b = torch.randn(32, 128) * 0.02, torch.randn(48, 128) * 0.02
-    qa, sa = quantize_rows(a, f, GS)
-    qb, sb = quantize_rows(b, f, GS)
-    qab, sab = quantize_rows(torch.cat([a, b]), f, GS)
+    qa, sa = quantize_rows(a, f, GPTQScheme(GS))
+    qb, sb = quantize_rows(b, f, GPTQScheme(GS))
+    qab, sab = quantize_rows(torch.cat([a, b]), f, GPTQScheme(GS))
     assert torch.equal(torch.cat([qa, qb]), qab) and torch.equal(torch.cat([sa, sb]), sab)
 
 

@@ -361,3 +361,11 @@ def test_pull_never_writes_through_a_planted_link(cli, hub, tmp_path):
     code, _, err = cli("inspect", "org/tiny")
     assert code == 2 and f"{cache / 'org--tiny'}: is a symbolic link" in err, err
     assert list(victim.iterdir()) == []
+
+
+def test_pull_creates_missing_parents_of_dest(cli, hub, tmp_path):
+    hub.seed("org/nested", {"config.json": b"{}", "model.safetensors": _tiny_safetensors()})
+    dest = tmp_path / "models" / "org" / "nested"
+    code, _, err = cli("pull", "org/nested", str(dest), "--quiet")
+    assert code == 0, err
+    assert sorted(_files(dest)) == ["config.json", "model.safetensors"]

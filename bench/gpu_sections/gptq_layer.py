@@ -57,7 +57,9 @@ def run(ctx: Context, rep: Report) -> None:
     """
     import torch
 
-    from quantkit.calibrate.moe import ExpertMoE, quantize_experts
+    from quantkit.calibrate.experts import quantize_experts
+    from quantkit.calibrate.gptq import GPTQScheme
+    from quantkit.calibrate.moe import ExpertMoE
     from quantkit.quant.recipe import GPTQSettings
 
     settings = GPTQSettings(dampening_frac=0.01, block_size=128, actorder="static")
@@ -102,7 +104,7 @@ def run(ctx: Context, rep: Report) -> None:
         part.h_in, part.h_down = h_in, h_down[lo : lo + step]
         part.routed_tokens = moe.routed_tokens[lo : lo + step]
         t = time.perf_counter()
-        _, recs = quantize_experts(part, "model.layers.3.mlp.experts.", 3, 32, settings, torch.bfloat16)
+        _, recs = quantize_experts(part, "model.layers.3.mlp.experts.", 3, GPTQScheme(32, 4, torch.bfloat16, settings))
         sync(device)
         solve_s += time.perf_counter() - t
         quantized += len(part.experts)

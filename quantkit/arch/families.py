@@ -63,6 +63,9 @@ class EngineQuirks:
     # vLLM's attention for the family is an `Attention` (gets the compressed-tensors KV method);
     # MLAAttention is not, so checkpoint KV scales have no effect there.
     vllm_applies_kv_scales: bool = True
+    # SGLang's MoE block reads `shared_experts.gate_up_proj.weight.dtype` when the shared experts are not fused
+    # (glm4_moe.py: Glm4MoeSparseMoeBlock.__init__): pack-quantized (INT) shared experts have no `.weight` there.
+    sglang_int_shared_experts_fail: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ FAMILIES: dict[str, Family] = {
             default_recipes={"glm4_moe": "glm4-w4a16-g32"},
             kv_layout=KVLayout.GQA,
             mtp_own_embedding=False,
-            quirks=EngineQuirks(sglang_fuses_shared_experts=True, sglang_loads_kv_scales=False),
+            quirks=EngineQuirks(sglang_fuses_shared_experts=True, sglang_loads_kv_scales=False,
+                                sglang_int_shared_experts_fail=True),
             synth=_gqa_synth,
             description="GLM-4.5 .. 4.7: GQA attention with qk-norm",
         ),

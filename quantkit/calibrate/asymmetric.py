@@ -40,11 +40,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows
-from quantkit.calibrate.moe import _ROWS_PER_CHUNK, ExpertMoE, _chunks, _finish, _record, _token_weights
+from quantkit.calibrate.experts import ROWS_PER_CHUNK, chunks, finish_module, record
+from quantkit.calibrate.gptq import Factor, GPTQScheme, HessianAccumulator, prepare, quantize_many, quantize_rows
+from quantkit.calibrate.moe import ExpertMoE, token_weights
 from quantkit.core.errors import QuantkitError
 from quantkit.quant.int4 import PackedInt4
-from quantkit.quant.recipe import GPTQSettings
 
 __all__ = ["CrossAccumulator", "PairedPass", "inverse_hessian", "shifted_target", "quantize_experts_ordered"]
 
@@ -190,20 +190,14 @@ class PairedPass:
 
 
 # ------------------------------------------------------------------------------------ routed experts
-def quantize_experts_ordered(
-    moe: ExpertMoE,
-    paired: PairedPass | None,
-    module_base: str,
-    layer: int,
-    group_size: int,
-    settings: GPTQSettings,
-    scale_dtype: torch.dtype,
-) -> tuple[dict[str, PackedInt4], list[dict[str, Any]]]:
-    """`moe.quantize_experts` with asymmetric targets (`paired` given) and/or gate/up before down.
+def quantize_experts_ordered(moe: ExpertMoE, paired: PairedPass | None, module_base: str, layer: int,
+                             scheme: GPTQScheme) -> tuple[dict[str, PackedInt4], list[dict[str, Any]]]:
+    """`experts.quantize_experts` with asymmetric targets (`paired` given) and/or gate/up before down.
 
     Same results contract as `quantize_experts`: packed modules by name (CPU) and one coverage record per
     expert; relative errors are measured against the target GPTQ fitted (`W*` when asymmetric).
     """
+    settings = scheme.settings
     if moe.h_in is None:
         raise QuantkitError("gptq: asymmetric calibration / expert_order need all-expert statistics (mode 'all')")
     gate_up_first = settings.expert_order == "gate_up_first"
@@ -211,13 +205,12 @@ def quantize_experts_ordered(
         raise QuantkitError("gptq.expert_order: gate_up_first needs the calibration activations in RAM "
                             "(they were streamed from disk); use down_first")
     n = len(moe.experts)
-    damp, block, actorder = settings.dampening_frac, settings.block_size, settings.actorder == "static"
+    damp, actorder = scheme.damp, scheme.actorder
     strength = settings.asymmetric_strength if paired is not None else 0.0
     packed: dict[str, PackedInt4] = {}
-    records = [_record(moe, layer, e) for e in range(n)]
+    records = [record(moe, layer, e) for e in range(n)]
     experts = list(range(n))  # one process holds them all (see runner.run)
-    limit = _ROWS_PER_CHUNK.get(moe._device().type, _ROWS_PER_CHUNK["cpu"])
-    moe.group_size = group_size
+    limit = ROWS_PER_CHUNK.get(moe._device().type, ROWS_PER_CHUNK["cpu"])
     inter = moe.experts[0]["gate_proj"].shape[0]
 
     weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
@@ -231,16 +224,15 @@ def quantize_experts_ordered(
         records[e]["samples"]["gate_up"] = count
         for j, proj in enumerate(("gate_proj", "up_proj")):
             moe.experts[e][proj] = rows[j * inter:(j + 1) * inter]  # the target fitted (errors are against it)
-            _finish(moe, e, proj, q[j * inter:(j + 1) * inter], s[j * inter:(j + 1) * inter], f, h, group_size,
-                    scale_dtype, records[e], packed, module_base)
+            finish_module(moe, e, proj, q[j * inter:(j + 1) * inter], s[j * inter:(j + 1) * inter], f, h, scheme,
+                          records[e], packed, module_base)
 
     def do_gate_up(chunk: list[int]) -> None:
         if f_in is not None:
             rows = torch.cat([moe.experts[e][p] for e in chunk for p in ("gate_proj", "up_proj")]).float()
             if m_in is not None:
                 rows = rows + rows @ m_in.to(rows.device)
-            q, s = quantize_rows(rows, f_in, group_size, block, scale_dtype,
-                                 settings.scale_search, settings.refit_scales)
+            q, s = quantize_rows(rows, f_in, scheme)
             for i, e in enumerate(chunk):
                 lo, hi = 2 * i * inter, (2 * i + 2) * inter
                 finish_gate_up(e, rows[lo:hi], q[lo:hi], s[lo:hi], f_in, h_in, count_in)
@@ -251,8 +243,7 @@ def quantize_experts_ordered(
         for e, f, (_, _, cross) in zip(chunk, factors, stats, strict=True):
             w = torch.cat([moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]])
             ws.append(shifted_target(w, cross, f, strength) if cross is not None else w.float())
-        results = quantize_many(ws, factors, group_size, block, scale_dtype,
-                                settings.scale_search, settings.refit_scales)
+        results = quantize_many(ws, factors, scheme)
         for e, w, f, (h, count, _), (q, s) in zip(chunk, ws, factors, stats, results, strict=True):
             finish_gate_up(e, w, q, s, f, h, count)
 
@@ -267,23 +258,22 @@ def quantize_experts_ordered(
             records[e]["samples"]["down"] = count
             w = moe.experts[e]["down_proj"]
             ws.append(shifted_target(w, cross, f, strength) if cross is not None else w)
-        results = quantize_many(ws, factors, group_size, block, scale_dtype,
-                                settings.scale_search, settings.refit_scales)
+        results = quantize_many(ws, factors, scheme)
         for e, w, f, (h, _, _), (q, s) in zip(chunk, ws, factors, stats, results, strict=True):
             moe.experts[e]["down_proj"] = w
-            _finish(moe, e, "down_proj", q, s, f, h, group_size, scale_dtype, records[e], packed, module_base)
+            finish_module(moe, e, "down_proj", q, s, f, h, scheme, records[e], packed, module_base)
 
     hidden = moe.experts[0]["down_proj"].shape[0]
     if gate_up_first:  # per chunk: gate/up, then down on the quantized gate/up outputs
-        for chunk in _chunks(experts, max(2 * inter, hidden), limit):
+        for chunk in chunks(experts, max(2 * inter, hidden), limit):
             source = ({e: (moe.experts[e]["gate_proj"], moe.experts[e]["up_proj"]) for e in chunk}
                       if down_paired else None)
             do_gate_up(chunk)
             do_down(chunk, source)
     else:
-        for chunk in _chunks(experts, hidden, limit):
+        for chunk in chunks(experts, hidden, limit):
             do_down(chunk, None)
-        for chunk in _chunks(experts, 2 * inter, limit):
+        for chunk in chunks(experts, 2 * inter, limit):
             do_gate_up(chunk)
     return packed, records
 
@@ -297,7 +287,7 @@ def _gate_up_stats(moe: ExpertMoE, paired: PairedPass | None, e: int, routed_wei
         return h, count, None
     acc = CrossAccumulator(h.shape[0], h.device)
     for x, xf, index in zip(moe.inputs, paired.moe_fp, moe.routes, strict=True):
-        acc.add(xf, x, _token_weights(index, e, routed_weight))
+        acc.add(xf, x, token_weights(index, e, routed_weight))
     return h, count, acc.cross()
 
 
@@ -317,7 +307,7 @@ def _down_stats(moe: ExpertMoE, paired: PairedPass | None, e: int, routed_weight
     g, u = moe.weight(e, "gate_proj").t(), moe.weight(e, "up_proj").t()  # dequantized once, not per batch
     gf, uf = (g, u) if source_gate_up is None else (source_gate_up[0].float().t(), source_gate_up[1].float().t())
     for x, xf, index in zip(moe.inputs, fps, moe.routes, strict=True):
-        weight = _token_weights(index, e, routed_weight)
+        weight = token_weights(index, e, routed_weight)
         a = moe.act(x @ g) * (x @ u)
         acc.add(a, weight)
         if cross_acc is not None and xf is not None:

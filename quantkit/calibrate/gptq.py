@@ -1,11 +1,13 @@
-"""GPTQ for symmetric group-wise INT4, as plain functions over tensors.
+"""GPTQ for symmetric group-wise INT4 and INT8, as plain functions over tensors.
 
 GPTQ (Frantar et al., 2022) quantizes a weight `W [out, in]` one input column at a time and pushes each
 column's rounding error onto the columns not yet quantized, weighted by the inverse Hessian of the layer
 inputs `H = X^T X / n`, so that `||W X - Q X||` stays small on real inputs. Here:
 
 - codes and scales follow `quantkit.quant.int4` (= compressed-tensors): `scale = absmax / 7.5` per group of
-  input columns, codes in [-8, 7], scales in bf16 — the converter packs them unchanged;
+  input columns, codes in [-8, 7] (INT8: `absmax / 127.5`, [-128, 127]), scales in bf16 — the converter packs
+  them unchanged; what one solve needs (bits, group, the recipe's GPTQ settings, the scale dtype) is one
+  `GPTQScheme`, built from the unit's format (`quantkit.quant.scheme`);
 - *static* activation order: columns are processed in order of decreasing `diag(H)` but each group keeps
   its original columns and a scale fixed up front from the source weights (refitted after the loop,
   below), so the checkpoint needs no `g_idx` and engines run their fast kernels;
@@ -25,18 +27,57 @@ expert, so one factorisation serves hundreds of experts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from quantkit.core.distributed import World
-from quantkit.quant.int4 import QMAX, QMIN, group_scales, mse_group_scales, quantize_rtn
+from quantkit.quant.int4 import group_scales, mse_group_scales, qrange, quantize_rtn
+from quantkit.quant.recipe import GPTQSettings
+from quantkit.quant.scheme import WeightFormat
 
-__all__ = ["Factor", "HessianAccumulator", "ScaleSearch", "gptq", "prepare", "quantize_many", "quantize_rows",
-           "refit_scales", "relative_error"]
+__all__ = ["Factor", "GPTQScheme", "HessianAccumulator", "ScaleSearch", "gptq", "prepare", "quantize_many",
+           "quantize_rows", "refit_scales", "relative_error"]
 
 ScaleSearch = Literal["minmax", "mse"]  # group scales: absmax / 7.5, or the input-weighted MSE-best clipping
+
+
+@dataclass(frozen=True)
+class GPTQScheme:
+    """What one GPTQ solve needs: the unit's bits and group, the recipe's GPTQ settings, the scale dtype."""
+
+    group_size: int = 32
+    bits: int = 4
+    scale_dtype: torch.dtype = torch.bfloat16
+    settings: GPTQSettings = field(default_factory=GPTQSettings)
+
+    @classmethod
+    def of(cls, fmt: WeightFormat, settings: GPTQSettings, scale_dtype: torch.dtype) -> GPTQScheme:
+        """The scheme of an INT format (`int4-g32`, `int8-g128`, ...) under `settings`."""
+        if fmt.kind != "int" or fmt.group is None:
+            raise ValueError(f"GPTQ computes INT formats only, not {fmt.name}")
+        return cls(fmt.group, fmt.bits, scale_dtype, settings)
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @property
+    def scale_search(self) -> ScaleSearch:
+        return self.settings.scale_search
+
+    @property
+    def refit(self) -> bool:
+        return self.settings.refit_scales
+
+    @property
+    def damp(self) -> float:
+        return self.settings.dampening_frac
+
+    @property
+    def actorder(self) -> bool:
+        return self.settings.actorder == "static"
 
 DAMP_RETRIES = 2  # damping tried: d, 10 d, 100 d
 
@@ -123,32 +164,17 @@ def prepare(h: torch.Tensor, damp: float = 0.01, actorder: bool = True) -> Facto
     return Factor(None, perm, dead, frac, f"Hessian not positive definite even with damping {frac:g}")
 
 
-def quantize_rows(
-    w: torch.Tensor,
-    factor: Factor,
-    group_size: int,
-    block_size: int = 128,
-    scale_dtype: torch.dtype = torch.bfloat16,
-    scale_search: ScaleSearch = "minmax",
-    refit: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ codes (int8 `[out, in]`) and scales (`[out, in/group]`, `scale_dtype`) of `w`.
+def quantize_rows(w: torch.Tensor, factor: Factor, scheme: GPTQScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ codes (int8 `[out, in]`) and scales (`[out, in/group]`, `scheme.scale_dtype`) of `w`.
 
     Rows are independent given the factor, so callers may pass any stack of rows that share it.
     With `factor.hinv is None` this is plain RTN.
     """
-    return quantize_many([w], [factor], group_size, block_size, scale_dtype, scale_search, refit)[0]
+    return quantize_many([w], [factor], scheme)[0]
 
 
-def quantize_many(
-    ws: list[torch.Tensor],
-    factors: list[Factor],
-    group_size: int,
-    block_size: int = 128,
-    scale_dtype: torch.dtype = torch.bfloat16,
-    scale_search: ScaleSearch = "minmax",
-    refit: bool = True,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def quantize_many(ws: list[torch.Tensor], factors: list[Factor], scheme: GPTQScheme
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ of several same-shape weights, each with its own factor, in one batched column loop.
 
     One loop over the columns for all of them (instead of one per module) is what makes hundreds of small
@@ -157,23 +183,24 @@ def quantize_many(
     rule, `mse` searches clipping ratios per group minimising the error weighted by `diag(H)`. `refit`
     re-solves them afterwards for the codes chosen (`refit_scales`).
     """
+    gs, dtype = scheme.group_size, scheme.scale_dtype
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ws)
     todo = [i for i, f in enumerate(factors) if f.hinv is not None]
     for i, f in enumerate(factors):
         if f.hinv is None:
-            out[i] = quantize_rtn(ws[i], group_size, scale_dtype)
+            out[i] = quantize_rtn(ws[i], gs, dtype, scheme.bits)
     if todo:
-        scales = [_static_scales(ws[i], factors[i], group_size, scale_dtype, scale_search) for i in todo]
+        scales = [_static_scales(ws[i], factors[i], scheme) for i in todo]
         perm = _perms(factors, todo, ws[todo[0]].shape[1]).to(ws[todo[0]].device)
-        work = _permuted_work(ws, factors, todo, perm, scale_dtype)
+        work = _permuted_work(ws, factors, todo, perm, dtype)
         hinv = torch.stack([factors[i].hinv for i in todo])
-        codes = _gptq_loop(work, torch.stack(scales), perm // group_size, hinv, block_size)
+        codes = _gptq_loop(work, torch.stack(scales), perm // gs, hinv, scheme.block_size, scheme.bits)
         codes = _take_cols(codes, torch.argsort(perm, dim=1))
         del work
         for j, i in enumerate(todo):
-            scale = scales[j].to(scale_dtype)
-            if refit and factors[i].damped is not None:
-                scale = refit_scales(ws[i], codes[j], scale, factors[i], group_size)
+            scale = scales[j].to(dtype)
+            if scheme.refit and factors[i].damped is not None:
+                scale = refit_scales(ws[i], codes[j], scale, factors[i], gs)
             out[i] = (codes[j], scale)
     return out  # type: ignore[return-value]
 
@@ -229,14 +256,13 @@ def _quadratic(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     return ((a @ s.unsqueeze(-1)).squeeze(-1) * s).sum(-1) - 2 * (b * s).sum(-1)
 
 
-def _static_scales(w: torch.Tensor, factor: Factor, group_size: int, scale_dtype: torch.dtype,
-                   scale_search: ScaleSearch) -> torch.Tensor:
-    """The group scales of `w` as a checkpoint in `scale_dtype` holds it (what RTN quantizes too), fixed
+def _static_scales(w: torch.Tensor, factor: Factor, scheme: GPTQScheme) -> torch.Tensor:
+    """The group scales of `w` as a checkpoint in the scale dtype holds it (what RTN quantizes too), fixed
     before any GPTQ update."""
-    w = w.to(scale_dtype)
-    if scale_search == "mse":
-        return mse_group_scales(w, group_size, scale_dtype, col_weight=factor.diag)
-    return group_scales(w, group_size, scale_dtype)
+    w = w.to(scheme.scale_dtype)
+    if scheme.scale_search == "mse":
+        return mse_group_scales(w, scheme.group_size, scheme.scale_dtype, col_weight=factor.diag, bits=scheme.bits)
+    return group_scales(w, scheme.group_size, scheme.scale_dtype, scheme.bits)
 
 
 def _permuted_work(ws: list[torch.Tensor], factors: list[Factor], todo: list[int], perm: torch.Tensor,
@@ -263,13 +289,14 @@ def _take_cols(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def _gptq_loop(work: torch.Tensor, scale: torch.Tensor, group: torch.Tensor, hinv: torch.Tensor,
-               block: int) -> torch.Tensor:
+               block: int, bits: int = 4) -> torch.Tensor:
     """The GPTQ column loop over `work [B, out, in]` (modified) in processing order.
 
     `scale [B, out, groups]` holds the fixed group scales and `group [B, in]` the group of each processed
     column. Returns int8 codes in processing order.
     """
     batch, rows, cols = work.shape
+    qmin, qmax, _ = qrange(bits)
     codes = torch.empty(work.shape, dtype=torch.int8, device=work.device)
     scale = scale.to(torch.float32)
     for i1 in range(0, cols, block):
@@ -280,7 +307,7 @@ def _gptq_loop(work: torch.Tensor, scale: torch.Tensor, group: torch.Tensor, hin
         err1 = torch.empty_like(w1)
         for i in range(i2 - i1):
             col, s = w1[:, :, i], s1[:, :, i]
-            q = torch.clamp(torch.round(col / s), QMIN, QMAX)
+            q = torch.clamp(torch.round(col / s), qmin, qmax)
             codes[:, :, i1 + i] = q.to(torch.int8)
             e = (col - q * s) / h1[:, i, i].unsqueeze(1)
             err1[:, :, i] = e
@@ -314,8 +341,11 @@ def gptq(
     scale_dtype: torch.dtype = torch.bfloat16,
     scale_search: ScaleSearch = "minmax",
     refit: bool = True,
+    bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, Factor]:
     """One module: (codes, scales, factor) — the factor says which damping worked or why RTN was used."""
     factor = prepare(h, damp, actorder)
-    q, scale = quantize_rows(w, factor, group_size, block_size, scale_dtype, scale_search, refit)
+    settings = GPTQSettings(dampening_frac=damp, block_size=block_size, actorder="static" if actorder else None,
+                            scale_search=scale_search, refit_scales=refit)
+    q, scale = quantize_rows(w, factor, GPTQScheme(group_size, bits, scale_dtype, settings))
     return q, scale, factor

@@ -20,38 +20,31 @@ on its rank — and the partial outputs are summed back (all_reduce), each rank 
 rows. A rank with fewer batches joins a step with no tokens (`idle_step`). The shared gate/up Hessian is
 accumulated from each rank's own tokens and summed over the ranks after the pass (`reduce_statistics`).
 
-`quantize_experts` then runs GPTQ per (owned) expert and returns the packed results plus one coverage record per
-expert: tokens under real routing, samples in its Hessians, damping, RTN fallback, relative
-reconstruction error `||WX - QX|| / ||WX||` (and what RTN would have given).
+`quantkit.calibrate.experts.quantize_experts` then runs GPTQ per (owned) expert with the layer's experts unit's
+scheme (one format for every expert and projection of a layer, as the engines require).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from quantkit.calibrate.act_amax import observe_expert
-from quantkit.calibrate.gptq import Factor, HessianAccumulator, prepare, quantize_many, quantize_rows, relative_error
-from quantkit.calibrate.memory import release_free_memory
+from quantkit.calibrate.gptq import HessianAccumulator
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.core.distributed import SINGLE, World
-from quantkit.quant.int4 import PackedInt4, dequantize_group, pack_int4, quantize_rtn, unpack_nibbles
-from quantkit.quant.recipe import GPTQSettings
+from quantkit.quant.int4 import PackedInt4, dequantize_packed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["ExpertMoE", "quantize_experts"]
+__all__ = ["ExpertMoE", "SourceWeight", "token_weights"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-# rows of stacked expert weights quantized in one GPTQ call (bounds memory). On a GPU the column loop is
-# bound by kernel launches, not arithmetic: far more rows per loop (65536 rows x 7168 columns fp32 is
-# under 2 GB) cut the sequential column steps of a rank's 32 GLM-5 experts from ~262k to ~20k.
-_ROWS_PER_CHUNK = {"cpu": 4096, "cuda": 65536}
 Collect = Literal["all", "routed"]  # every token through every expert, or only the routed ones
 
 
@@ -80,13 +73,12 @@ class ExpertMoE(nn.Module):
         super().__init__()
         self.gate = gate
         self.shared_experts = shared
-        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 once quantized;
+        # plain tensors (model dtype), not parameters; each becomes a PackedInt4 (INT4 / INT8) once quantized;
         # None for the experts another rank owns
         self.experts: list[ExpertWeights | None] = list(experts)
         self.owned = [e for e, w in enumerate(self.experts) if w is not None]
         self.world = world
         self.act = act
-        self.group_size = 0  # of the packed experts
         self.collect: Collect | None = None
         self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)  # all experts, whoever owns them
         self.h_in: HessianAccumulator | None = None
@@ -151,7 +143,7 @@ class ExpertMoE(nn.Module):
         """Expert `e`'s `proj` weight in fp32 (dequantized when already quantized, read when still lazy)."""
         w = self.held(e)[proj]
         if isinstance(w, PackedInt4):
-            return dequantize_group(unpack_nibbles(w.weight_packed), w.weight_scale, self.group_size)
+            return dequantize_packed(w)
         if isinstance(w, SourceWeight):
             return w.read(self._device()).float()
         return w.float()
@@ -216,7 +208,7 @@ class ExpertMoE(nn.Module):
         acc = HessianAccumulator(self.held(e)["down_proj"].shape[1], self.inputs[0].device)
         gate_up = self.weight(e, "gate_proj"), self.weight(e, "up_proj")  # upcast (or read) once, not per batch
         for x, index in zip(self.inputs, self.routes, strict=True):
-            acc.add(self._inner(e, x, gate_up), _token_weights(index, e, routed_weight))
+            acc.add(self._inner(e, x, gate_up), token_weights(index, e, routed_weight))
         return acc.hessian(), acc.count
 
     def in_hessian(self, e: int, routed_weight: float = 0.0) -> tuple[torch.Tensor, int]:
@@ -225,7 +217,7 @@ class ExpertMoE(nn.Module):
         if routed_weight and self.inputs is not None:
             acc = HessianAccumulator(self.inputs[0].shape[-1], self.inputs[0].device)
             for x, index in zip(self.inputs, self.routes, strict=True):
-                acc.add(x, _token_weights(index, e, routed_weight))
+                acc.add(x, token_weights(index, e, routed_weight))
         else:
             acc = self.h_in if self.h_in is not None else self.h_in_expert[e]
         return acc.hessian(), acc.count
@@ -292,7 +284,7 @@ class ExpertMoE(nn.Module):
         return out
 
 
-def _token_weights(index: torch.Tensor, e: int, routed_weight: float) -> torch.Tensor | None:
+def token_weights(index: torch.Tensor, e: int, routed_weight: float) -> torch.Tensor | None:
     """Per-token weights `1 + w * [routed to e]` (the accumulator divides by their sum: same scale)."""
     if not routed_weight:
         return None
@@ -304,127 +296,3 @@ def _read(source: SourceCheckpoint, base: str, module: nn.Module) -> dict[str, t
     names = set(source.logical_names())
     keys = list(module.state_dict(keep_vars=True).keys())
     return {k: source.read(base + k, torch.float32) for k in keys if base + k in names}
-
-
-# ---------------------------------------------------------------------------------------- quantization
-def quantize_experts(
-    moe: ExpertMoE,
-    module_base: str,
-    layer: int,
-    group_size: int,
-    settings: GPTQSettings,
-    scale_dtype: torch.dtype,
-) -> tuple[dict[str, PackedInt4], list[dict[str, Any]]]:
-    """GPTQ every routed expert this rank holds (collected statistics required); swap in the packed results.
-
-    `module_base` is the experts' module prefix (`model.layers.N.mlp.experts.`). Returns packed results
-    (on the CPU) by module name and one coverage record per expert, in expert order. The down projections
-    go first: their Hessians are built from the source gate/up weights.
-    """
-    owned = moe.owned
-    damp, block, actorder = settings.dampening_frac, settings.block_size, settings.actorder == "static"
-    packed: dict[str, PackedInt4] = {}
-    records = {e: _record(moe, layer, e) for e in owned}
-    moe.group_size = group_size
-    if not owned:
-        return packed, []
-    first = moe.held(owned[0])
-
-    def finish(e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor) -> None:
-        _finish(moe, e, proj, q, s, factor, h, group_size, scale_dtype, records[e], packed, module_base)
-
-    def _finish_gate_up(e: int, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor,
-                        count: int) -> None:
-        """q, s: expert e's gate rows then its up rows."""
-        inter = q.shape[0] // 2
-        records[e]["samples"]["gate_up"] = count
-        finish(e, "gate_proj", q[:inter], s[:inter], factor, h)
-        finish(e, "up_proj", q[inter:], s[inter:], factor, h)
-
-    limit = _ROWS_PER_CHUNK.get(moe._device().type, _ROWS_PER_CHUNK["cpu"])
-    for chunk in _chunks(owned, first["down_proj"].shape[0], limit):
-        hessians = [moe.down_hessian(e, settings.routed_token_weight) for e in chunk]
-        moe.load(chunk, ("down_proj",))
-        for e, (_, count) in zip(chunk, hessians, strict=True):
-            records[e]["samples"]["down"] = count
-        factors = [prepare(h, damp, actorder) for h, _ in hessians]
-        results = quantize_many([moe.held(e)["down_proj"] for e in chunk], factors, group_size, block, scale_dtype,
-                                settings.scale_search, settings.refit_scales)
-        for e, factor, (h, _), (q, s) in zip(chunk, factors, hessians, results, strict=True):
-            finish(e, "down_proj", q, s, factor, h)
-        del hessians, factors, results
-        release_free_memory()  # the chunk's work and the source weights it replaced
-
-    inter = first["gate_proj"].shape[0]
-    weighted = settings.routed_weight_gate_up and bool(settings.routed_token_weight) and moe.inputs is not None
-    if moe.h_in is not None and not weighted:  # one gate/up Hessian and factor for all experts
-        h, count = moe.in_hessian(owned[0])
-        factor = prepare(h, damp, actorder)
-        for chunk in _chunks(owned, 2 * inter, limit):
-            moe.load(chunk, ("gate_proj", "up_proj"))
-            rows = torch.cat([moe.held(e)[p] for e in chunk for p in ("gate_proj", "up_proj")])
-            q, s = quantize_rows(rows, factor, group_size, block, scale_dtype,
-                                 settings.scale_search, settings.refit_scales)
-            del rows
-            for i, e in enumerate(chunk):
-                _finish_gate_up(e, q[2 * i * inter:(2 * i + 2) * inter], s[2 * i * inter:(2 * i + 2) * inter],
-                                factor, h, count)
-            del q, s
-            release_free_memory()
-    else:  # a gate/up Hessian per expert: routed-only statistics, or routed tokens weighted
-        for chunk in _chunks(owned, 2 * inter, limit):
-            hessians = [moe.in_hessian(e, settings.routed_token_weight if weighted else 0.0) for e in chunk]
-            factors = [prepare(h, damp, actorder) for h, _ in hessians]
-            moe.load(chunk, ("gate_proj", "up_proj"))
-            rows = [torch.cat([moe.held(e)["gate_proj"], moe.held(e)["up_proj"]]) for e in chunk]
-            results = quantize_many(rows, factors, group_size, block, scale_dtype,
-                                    settings.scale_search, settings.refit_scales)
-            del rows
-            for e, factor, (h, count), (q, s) in zip(chunk, factors, hessians, results, strict=True):
-                _finish_gate_up(e, q, s, factor, h, count)
-            del hessians, factors, results
-            release_free_memory()
-    return packed, [records[e] for e in owned]
-
-
-def _chunks(experts: list[int], rows_per_expert: int, limit: int) -> list[list[int]]:
-    per = max(1, limit // max(rows_per_expert, 1))
-    return [experts[i : i + per] for i in range(0, len(experts), per)]
-
-
-def _record(moe: ExpertMoE, layer: int, e: int) -> dict[str, Any]:
-    return {
-        "layer": layer,
-        "expert": e,
-        "routed_tokens": int(moe.routed_tokens[e]),
-        "samples": {"gate_up": 0, "down": 0},
-        "damping": {},
-        "fallback": {},
-        "rel_error": {},
-        "rtn_rel_error": {},
-    }
-
-
-def _finish(moe: ExpertMoE, e: int, proj: str, q: torch.Tensor, s: torch.Tensor, factor: Factor, h: torch.Tensor,
-            group_size: int, scale_dtype: torch.dtype, record: dict[str, Any], packed: dict[str, PackedInt4],
-            base: str) -> None:
-    """Record errors, pack, and swap the expert's source weight for its packed result."""
-    record["damping"][proj] = factor.damping
-    if factor.failure:
-        record["fallback"][proj] = f"rtn: {factor.failure}"
-    record["rel_error"][proj], record["rtn_rel_error"][proj] = module_errors(
-        moe.held(e)[proj], q, s, h, group_size, scale_dtype)
-    result = pack_int4(q, s.to(scale_dtype))
-    packed[f"{base}{e}.{proj}"] = PackedInt4(result.weight_packed.cpu(), result.weight_scale.cpu(),
-                                             result.weight_shape)
-    moe.held(e)[proj] = result
-
-
-def module_errors(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, h: torch.Tensor, group_size: int,
-                  scale_dtype: torch.dtype, max_rows: int = 256) -> tuple[float, float]:
-    """Relative output error of the GPTQ result and of RTN, on at most `max_rows` evenly spaced rows."""
-    step = max(1, -(-w.shape[0] // max_rows))
-    w, q, s = w[::step].float(), q[::step], s[::step]
-    rq, rs = quantize_rtn(w, group_size, scale_dtype)
-    return (relative_error(w, dequantize_group(q, s, group_size), h),
-            relative_error(w, dequantize_group(rq, rs, group_size), h))

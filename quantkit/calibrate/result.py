@@ -97,7 +97,7 @@ class CalibrationResult:
             {"layer": r["layer"], "expert": r["expert"], "module": p, "reason": why}
             for r in self.coverage for p, why in r["fallback"].items()
         ] + [{"module": m["module"], "reason": m["fallback"]} for m in self.modules if m["fallback"]]
-        return {
+        report = {
             "method": "gptq" if self.where else "none",
             "group_size": self.recipe.group_size,
             "samples": c.samples,
@@ -110,6 +110,11 @@ class CalibrationResult:
             "experts": self.coverage,
             "modules": self.modules,
         }
+        if self.recipe.mixed:  # a per-unit plan: the group above is the uniform one; each unit's format here
+            from quantkit.quant.precision import resolve_precision
+
+            report["units"] = resolve_precision(self.recipe, self.adapter).units
+        return report
 
     def _error_summary(self) -> dict[str, Any]:
         pairs = [(r["rel_error"][p], r["rtn_rel_error"][p]) for r in self.coverage for p in r["rel_error"]]

@@ -36,8 +36,9 @@ _CONFIG_INTS = (
 )
 
 # The one format vocabulary: how a logical tensor is stored, and (its most specific one) a whole checkpoint.
-# plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed: compressed-tensors.
-TensorFormat = Literal["plain", "fp8_block", "int4_packed"]
+# plain: BF16 / FP16 / FP32 values; fp8_block: e4m3 + per-block scale_inv; int4_packed / int8_packed:
+# compressed-tensors pack-quantized.
+TensorFormat = Literal["plain", "fp8_block", "int4_packed", "int8_packed"]
 
 
 @dataclass
@@ -70,6 +71,9 @@ class SourceView(Protocol):
 
     @property
     def int4_group_size(self) -> int | None: ...
+
+    @property
+    def int_group_sizes(self) -> set[int]: ...
 
 
 def read_config(root: Path) -> dict[str, Any]:
@@ -211,14 +215,16 @@ def check_formats(source: SourceView) -> None:
     path = source.root / "config.json"
     method = qc.get("quant_method")
     fmts = {t.fmt for t in source.logical.values()}
-    if "fp8_block" in fmts and method != "fp8":
+    ct_fp8 = method == "compressed-tensors" and any((g.get("weights") or {}).get("type") == "float" for g in (
+        qc.get("config_groups") or {}).values())  # a mixed output's FP8-kept units
+    if "fp8_block" in fmts and method != "fp8" and not ct_fp8:
         name = next(n for n, t in source.logical.items() if t.fmt == "fp8_block")
         raise QuantkitError(f"{path}: tensor {name} is FP8 but quantization_config.quant_method is {method!r}, "
                             "not 'fp8'")
     if method == "fp8" and "fp8_block" not in fmts:
         raise QuantkitError(f"{path}: quantization_config says fp8, but no tensor is stored as FP8 (F8_E4M3)")
-    if "int4_packed" in fmts and method != "compressed-tensors":
-        name = next(n for n, t in source.logical.items() if t.fmt == "int4_packed")
+    if fmts & {"int4_packed", "int8_packed"} and method != "compressed-tensors":
+        name = next(n for n, t in source.logical.items() if t.fmt in ("int4_packed", "int8_packed"))
         raise QuantkitError(f"{path}: tensor {name} is INT4-packed but quantization_config.quant_method is "
                             f"{method!r}, not 'compressed-tensors'")
     if method == "fp8":
@@ -230,12 +236,12 @@ def check_formats(source: SourceView) -> None:
     for name, t in source.logical.items():
         if t.fmt == "fp8_block":
             _check_fp8_scale(source, name, t)
-        elif t.fmt == "int4_packed":
+        elif t.fmt in ("int4_packed", "int8_packed"):
             _check_int4_scale(source, name, t)
 
 
 def _check_fp8_scale(source: SourceView, name: str, t: LogicalTensor) -> None:
-    scale = name + "_scale_inv"
+    scale = next(p for p in t.parts if p != name)
     entry = source.headers[t.parts[scale]].tensors[scale]
     bh, bw = source.fp8_block_size
     if len(t.shape) != 2:
@@ -252,11 +258,12 @@ def _check_int4_scale(source: SourceView, name: str, t: LogicalTensor) -> None:
     scale = f"{module}.weight_scale"
     entry = source.headers[t.parts[scale]].tensors[scale]
     rows, cols = t.shape
-    group = source.int4_group_size
+    groups = source.int_group_sizes  # a mixed output has several; the tensor must have one of them
     ok = len(entry.shape) == 2 and entry.shape[0] == rows and entry.shape[1] > 0 and cols % entry.shape[1] == 0
-    if ok and group is not None:
-        ok = entry.shape[1] * group == cols
+    if ok and groups:
+        ok = any(entry.shape[1] * g == cols for g in groups)
     if not ok:
+        group = " or ".join(str(g) for g in sorted(groups)) or None
         raise QuantkitError(f"{source.root / t.parts[scale]}: tensor {scale} has shape {list(entry.shape)}, which "
                             f"does not fit weight {[rows, cols]} with group size {group}")
 

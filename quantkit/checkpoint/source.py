@@ -3,8 +3,11 @@
 Three source formats, one reader:
 - plain (BF16 / FP16 / FP32) tensors;
 - FP8-block: `X.weight` (float8_e4m3fn) + `X.weight_scale_inv` (fp32 per 128x128 block), possibly in
-  different shards; dequant is `fp8 * scale_inv` per block;
-- compressed-tensors pack-quantized INT4 (Kimi K2.x): `X.weight_packed/_scale/_shape`.
+  different shards; dequant is `fp8 * scale_inv` per block (compressed-tensors' `float-quantized` block groups,
+  which quantkit's mixed outputs keep, name the same scale `X.weight_scale`);
+- compressed-tensors pack-quantized INT4 (Kimi K2.x) and INT8: `X.weight_packed/_scale/_shape`, the bits told by
+  the packed width (in/8 or in/4 words), the group by the scale's width — per tensor, so a mixed output with
+  several groups reads back.
 
 Each logical weight `X.weight` is assembled from its physical parts wherever they live (the index says
 where). Nothing is read until asked for, and a worker holds at most one tensor at a time. The checks run
@@ -47,6 +50,7 @@ __all__ = ["INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceCheckpoint",
 
 _FP8_DTYPES = {"F8_E4M3"}
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+_FP8_SCALES = ("weight_scale_inv", "weight_scale")  # DeepSeek-style, compressed-tensors float-quantized
 
 
 class SourceCheckpoint:
@@ -67,19 +71,32 @@ class SourceCheckpoint:
 
     @cached_property
     def fp8_block_size(self) -> tuple[int, int]:
-        block = self.quantization_config.get("weight_block_size") or [128, 128]
+        block = self.quantization_config.get("weight_block_size") or _ct_block(self.quantization_config) or [128, 128]
         return int(block[0]), int(block[1])
 
     @cached_property
-    def int4_group_size(self) -> int | None:
-        """Group size of a compressed-tensors INT4 source (None for other sources)."""
+    def int_group_sizes(self) -> set[int]:
+        """Group sizes of a compressed-tensors INT source's groups (empty for other sources)."""
         if self.quantization_config.get("quant_method") != "compressed-tensors":
-            return None
+            return set()
+        sizes = set()
         for group in (self.quantization_config.get("config_groups") or {}).values():
             weights = group.get("weights") or {}
-            if weights.get("num_bits") == 4 and weights.get("type") == "int":
-                return int(weights.get("group_size") or 0) or None
-        return None
+            if weights.get("num_bits") in (4, 8) and weights.get("type") == "int" and weights.get("group_size"):
+                sizes.add(int(weights["group_size"]))
+        return sizes
+
+    @cached_property
+    def int4_group_size(self) -> int | None:
+        """The group size of a compressed-tensors INT source with one (None for other sources, or several)."""
+        sizes = self.int_group_sizes
+        return next(iter(sizes)) if len(sizes) == 1 else None
+
+    def int_group_size(self, t: LogicalTensor) -> int:
+        """The group of one packed INT weight, from its stored scale's width."""
+        module = t.name.rsplit(".", 1)[0]
+        scale = self.headers[t.parts[f"{module}.weight_scale"]].tensors[f"{module}.weight_scale"]
+        return t.shape[1] // scale.shape[1]
 
     @cached_property
     def int4_symmetric(self) -> bool:
@@ -136,8 +153,8 @@ class SourceCheckpoint:
             raise QuantkitError(f"{self.root}: no tensor named {name}")
         if t.fmt == "fp8_block":
             value = self._dequant_fp8(t)
-        elif t.fmt == "int4_packed":
-            value = self._dequant_int4(t)
+        elif t.fmt in ("int4_packed", "int8_packed"):
+            value = self._dequant_int(t)
         else:
             value = self.read_physical(name, t.shard)
         if check_finite and value.is_floating_point() and not torch.isfinite(value).all():
@@ -177,7 +194,7 @@ class SourceCheckpoint:
         grid must match the weight, and every scale must be positive and finite."""
         import torch
 
-        scale_name = t.name + "_scale_inv"
+        scale_name = next(p for p in t.parts if p != t.name)
         raw = self.read_physical(t.name, t.shard)
         scale = self.read_physical(scale_name, t.parts[scale_name]).to(torch.float32)
         bh, bw = self.fp8_block_size
@@ -202,14 +219,15 @@ class SourceCheckpoint:
         full = scale.repeat_interleave(bh, 0)[:rows].repeat_interleave(bw, 1)[:, :cols]
         return weight.mul_(full)
 
-    def _dequant_int4(self, t: LogicalTensor) -> torch.Tensor:
-        from quantkit.quant.int4 import dequantize_group, unpack_int4
+    def _dequant_int(self, t: LogicalTensor) -> torch.Tensor:
+        from quantkit.quant.int4 import dequantize_group, unpack_int4, unpack_int8
 
         module = t.name.rsplit(".", 1)[0]
         packed = self.read_physical(f"{module}.weight_packed", t.parts[f"{module}.weight_packed"])
         scale = self.read_physical(f"{module}.weight_scale", t.parts[f"{module}.weight_scale"])
         group = t.shape[1] // scale.shape[1]
-        return dequantize_group(unpack_int4(packed, t.shape), scale, group)
+        codes = unpack_int4(packed, t.shape) if t.fmt == "int4_packed" else unpack_int8(packed)
+        return dequantize_group(codes, scale, group)
 
 
 @cache
@@ -255,15 +273,15 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
             parts = {f"{module}.{p}": where[f"{module}.{p}"][0] for p in _INT4_PARTS if f"{module}.{p}" in where}
             if len(parts) < 3:
                 raise QuantkitError(f"{headers[f].path}: tensor {name} has no matching weight_scale / weight_shape")
-            shape = _int4_shape(headers, parts, module)
+            shape, fmt = _int_shape(headers, parts, module)
             absorbed.update(parts)
             logical[f"{module}.weight"] = LogicalTensor(
-                f"{module}.weight", "int4_packed", shape, entry.dtype, f, parts, _bytes(where, parts)
+                f"{module}.weight", fmt, shape, entry.dtype, f, parts, _bytes(where, parts)
             )
         elif param == "weight" and entry.dtype in _FP8_DTYPES:
-            scale = f"{module}.weight_scale_inv"
-            if scale not in where:
-                raise QuantkitError(f"{headers[f].path}: FP8 tensor {name} has no {scale}")
+            scale = next((f"{module}.{s}" for s in _FP8_SCALES if f"{module}.{s}" in where), None)
+            if scale is None:
+                raise QuantkitError(f"{headers[f].path}: FP8 tensor {name} has no {module}.weight_scale_inv")
             parts = {name: f, scale: where[scale][0]}
             absorbed.add(scale)
             logical[name] = LogicalTensor(name, "fp8_block", entry.shape, entry.dtype, f, parts, _bytes(where, parts))
@@ -276,8 +294,18 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
     return dict(sorted(logical.items(), key=lambda kv: _natural_key(kv[0])))
 
 
-def _int4_shape(headers: dict[str, ShardHeader], parts: dict[str, str], module: str) -> tuple[int, int]:
-    """The unpacked shape: read `weight_shape` (2 int64) straight from the file; it is tiny."""
+def _ct_block(qc: dict[str, Any]) -> list[int] | None:
+    """The block of a compressed-tensors float-quantized block group (quantkit's FP8-kept units), if any."""
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("type") == "float" and weights.get("strategy") == "block":
+            return weights.get("block_structure")  # type: ignore[no-any-return]
+    return None
+
+
+def _int_shape(headers: dict[str, ShardHeader], parts: dict[str, str], module: str
+               ) -> tuple[tuple[int, int], TensorFormat]:
+    """The unpacked shape and the bits: read `weight_shape` (2 int64) straight from the file; it is tiny."""
     f = parts[f"{module}.weight_shape"]
     entry = headers[f].tensors[f"{module}.weight_shape"]
     if entry.dtype != "I64" or entry.shape != (2,):
@@ -286,11 +314,13 @@ def _int4_shape(headers: dict[str, ShardHeader], parts: dict[str, str], module: 
         fh.seek(8 + headers[f].header_len + entry.start)
         out, inp = struct.unpack("<qq", fh.read(16))
     packed = headers[parts[f"{module}.weight_packed"]].tensors[f"{module}.weight_packed"].shape
-    if packed != (out, inp // 8):
-        raise QuantkitError(
-            f"{headers[f].path}: {module}.weight_shape {[out, inp]} does not match weight_packed {list(packed)}"
-        )
-    return out, inp
+    if packed == (out, inp // 8) and inp % 8 == 0:
+        return (out, inp), "int4_packed"
+    if packed == (out, inp // 4) and inp % 4 == 0:
+        return (out, inp), "int8_packed"
+    raise QuantkitError(
+        f"{headers[f].path}: {module}.weight_shape {[out, inp]} does not match weight_packed {list(packed)}"
+    )
 
 
 def _bytes(where: dict[str, tuple[str, HeaderEntry]], parts: dict[str, str]) -> int:

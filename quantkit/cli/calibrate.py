@@ -29,13 +29,14 @@ def kv_scales(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
 ) -> None:
     """Measure FP8 KV-cache scales (MLA-aware) and add them to a checkpoint without rewriting its shards."""
+    import os
     import shutil
 
     from quantkit.calibrate import kv
     from quantkit.calibrate.runner import RunOptions, run
     from quantkit.checkpoint.source import open_source
     from quantkit.core.errors import QuantkitError
-    from quantkit.core.paths import refuse_link
+    from quantkit.core.paths import make_parents, refuse_link
     from quantkit.engines.record import update_serving_record
     from quantkit.hub.client import is_hub_id, resolve_source
     from quantkit.hub.refresh import refresh_outputs
@@ -48,6 +49,8 @@ def kv_scales(
     src = resolve_source(src)
     source = open_source(src)
     target = out or src
+    if not os.path.lexists(target):
+        make_parents(target)  # a fresh --out path: its missing parents, each under the path rule
     if source.adapter.kv_layout != "dsa":  # refuse before any calibration work
         probe = (target if target.exists() else src) / "config.json"
         kv.require_kv_scheme_support(probe, json.loads(probe.read_text(encoding="utf-8")))

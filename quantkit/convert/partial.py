@@ -18,7 +18,7 @@ from quantkit.convert.publish import WORK_DIRS, is_finished
 from quantkit.convert.worker import journal_path
 from quantkit.core.durable import RunLock, write_json_atomic
 from quantkit.core.errors import QuantkitError
-from quantkit.core.paths import refuse_link, safe_mkdir
+from quantkit.core.paths import existing_ancestor, refuse_link, safe_mkdir
 from quantkit.core.progress import Reporter
 from quantkit.quant.recipe import Recipe
 
@@ -28,16 +28,18 @@ RUN_FILE = "run.json"
 
 
 def check_paths(src: Path, out: Path) -> None:
-    """SRC and OUT do not overlap, OUT's parent is writable, and none of the names quantkit creates next to
-    it (OUT, OUT.partial, OUT.old) is a symbolic link (`quantkit.core.paths`): nothing is written through one."""
+    """SRC and OUT do not overlap, OUT's parent (or, when it is missing, its nearest existing ancestor: the
+    conversion creates the rest, `make_parents`) is a writable directory, and none of the names quantkit creates
+    next to it (OUT, OUT.partial, OUT.old) is a symbolic link (`quantkit.core.paths`): nothing is written through
+    one."""
     refuse_link(out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".old"))
     if out == src or out.is_relative_to(src):
         raise QuantkitError(f"{out}: refusing to write inside the source directory {src}")
     if src.is_relative_to(out):
         raise QuantkitError(f"{out}: refusing to write over a directory that contains the source")
-    parent = out.parent
+    parent = out.parent if os.path.lexists(out.parent) else existing_ancestor(out)  # missing parents: created later
     if not parent.is_dir():
-        raise QuantkitError(f"{parent}: the output's parent directory does not exist")
+        raise QuantkitError(f"{parent}: not a directory (the output's parent)")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise QuantkitError(f"{parent}: not writable (read-only file system or no permission)")
 

@@ -66,6 +66,7 @@ from quantkit.convert.worker import ShardJob, convert_shard, part_name
 from quantkit.core.distributed import RankFailed, World, clear_failures
 from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
 from quantkit.core.errors import QuantkitError
+from quantkit.core.paths import make_parents
 from quantkit.core.progress import Reporter, Silent
 from quantkit.engines.record import serving_record
 from quantkit.engines.verdicts import facts_from_checkpoint, unloadable_roles
@@ -184,6 +185,7 @@ def _start(
     """Rank 0: OUT checks, free-space preflight, the run lock (kept in `lock_held` until the end), then
     resume or discard OUT.partial; with several ranks, clear old failure records and write the nonce."""
     check_out(out, identity, force)
+    make_parents(out)  # a fresh OUT path: its missing parents, each created under the path rule
     preflight(partial, needed, resumable(partial, identity))
     lock = RunLock(partial)
     created = not partial.exists()
@@ -355,6 +357,10 @@ def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
         role, why = next(iter(refused.items()))
         raise QuantkitError(f"recipe {recipe.name}: quantize_roles has {role.value!r}, but {why}; "
                             "remove it from quantize_roles")
+    if recipe.mixed:
+        from quantkit.engines.mixed import check_plan_loadable
+
+        check_plan_loadable(recipe, adapter)
 
 
 def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, Any]:
@@ -386,7 +392,12 @@ def _write_metadata(
     config = dict(source.config)
     ignore = source.adapter.ignore_patterns(set(recipe.quantize_roles))
     kv = calibration is not None and bool(calibration.kv_scales)
-    if recipe.fp4 is None:
+    precision = None
+    if recipe.mixed:
+        from quantkit.convert.precision import mixed_metadata
+
+        config["quantization_config"], precision = mixed_metadata(source, recipe, plans, kv)
+    elif recipe.fp4 is None:
         config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
     else:
         config["quantization_config"] = build_fp4_quantization_config(recipe.scheme, ignore, kv_cache=kv)
@@ -416,6 +427,8 @@ def _write_metadata(
         "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
         "tensors": tensors,
     }
+    if precision is not None:  # per-unit plans only: a uniform recipe's quantkit.json is as it always was
+        manifest["precision"] = precision
     write_json_atomic(partial / MANIFEST_FILE, manifest)
     return sum(shard_bytes.values())
 

@@ -28,11 +28,12 @@ from quantkit.quant.int4 import (
     PackedInt4,
     fp8_block_to_float32,
     mse_group_scales,
-    pack_int4,
+    pack_int,
     quantize_group,
     quantize_rtn,
 )
 from quantkit.quant.recipe import Recipe
+from quantkit.quant.scheme import WeightFormat
 
 if TYPE_CHECKING:  # workers never import the calibration stack (it pulls in transformers)
     from quantkit.calibrate.result import CalibrationResult
@@ -128,14 +129,19 @@ def _transform(
         for out in plan.outputs:
             shard = t.parts[out.name]
             yield out.name, _checked(source, shard, out.name, source.read_physical(out.name, shard))
-    elif recipe.fp4 is not None:
+    elif plan.action == "keep-fp8":
+        raw, scale = source.fp8_parts(t)  # the scale grid and its values checked
+        yield plan.name, raw
+        yield plan.outputs[1].name, scale.to(plan.outputs[1].dtype)
+    elif plan.format is not None and plan.format.kind == "fp4":
         from quantkit.convert.fp4 import quantize_fp4_tensor
 
-        yield from quantize_fp4_tensor(source, plan, recipe.fp4).tensors(plan.module).items()
+        fp4 = "mxfp4" if plan.format.name == "mxfp4a16" else "nvfp4"
+        yield from quantize_fp4_tensor(source, plan, fp4).tensors(plan.module).items()
     else:
         packed = calibration.quantized(plan.module) if calibration is not None else None
         if packed is None:
-            packed = quantize_rtn_tensor(source, t, recipe, device)
+            packed = quantize_rtn_tensor(source, t, recipe, device, plan.format)
         yield from packed.tensors(plan.module).items()
 
 
@@ -173,32 +179,42 @@ def _dequantize(source: SourceCheckpoint, t: LogicalTensor, device: torch.device
 
 
 def quantize_rtn_tensor(source: SourceCheckpoint, t: LogicalTensor, recipe: Recipe,
-                        device: torch.device) -> PackedInt4:
-    """RTN of one logical weight in the model dtype's arithmetic (bit-identical to compressed-tensors for
-    `minmax`), through the fused CPU kernels where they apply, else with torch ops on `device`."""
-    if recipe.scale_search == "minmax" and _fused_ok(source, t, device):
+                        device: torch.device, fmt: WeightFormat | None = None) -> PackedInt4:
+    """RTN of one logical weight in `fmt` (default: the recipe's uniform INT format) in the model dtype's
+    arithmetic (bit-identical to compressed-tensors for `minmax`), through the fused CPU kernels where they apply
+    (INT4), else with torch ops on `device`."""
+    fmt = fmt or recipe.uniform_format
+    if recipe.scale_search == "minmax" and fmt.bits == 4 and _fused_ok(source, t, device):
         if t.fmt == "fp8_block":
             raw, scale = source.fp8_parts(t)
-            packed, scales, bad = fused.rtn_fp8_block(raw, scale, source.fp8_block_size, recipe.group_size)
+            packed, scales, bad = fused.rtn_fp8_block(raw, scale, source.fp8_block_size, _group(fmt))
         else:
-            packed, scales, bad = fused.rtn_bf16(source.read_physical(t.name, t.shard), recipe.group_size)
+            packed, scales, bad = fused.rtn_bf16(source.read_physical(t.name, t.shard), _group(fmt))
         result = PackedInt4(packed, scales, torch.tensor(list(t.shape), dtype=torch.int64))
     else:
-        result = _rtn_torch(source, t, recipe, device)
+        result = _rtn_torch(source, t, recipe, device, fmt)
         bad = int(not bool(torch.isfinite(result.weight_scale).all()))  # NaN/Inf in a group reaches its scale
     if bad:
         raise QuantkitError(f"{source.root / t.shard}: tensor {t.name} contains NaN or Inf values")
     return result
 
 
-def _rtn_torch(source: SourceCheckpoint, t: LogicalTensor, recipe: Recipe, device: torch.device) -> PackedInt4:
+def _group(fmt: WeightFormat) -> int:
+    assert fmt.kind == "int" and fmt.group is not None, fmt
+    return fmt.group
+
+
+def _rtn_torch(source: SourceCheckpoint, t: LogicalTensor, recipe: Recipe, device: torch.device,
+               fmt: WeightFormat | None = None) -> PackedInt4:
     dtype = source.model_dtype
+    fmt = fmt or recipe.uniform_format
+    gs, bits = _group(fmt), fmt.bits
     weight = _read_float32(source, t, device)
     if recipe.scale_search == "mse":
         weight = weight.to(dtype).float()  # the value a checkpoint in the model dtype would hold
-        scale = mse_group_scales(weight, recipe.group_size, dtype)
-        q, scale = quantize_group(weight, scale, recipe.group_size, dtype), scale.to(dtype)
+        scale = mse_group_scales(weight, gs, dtype, bits=bits)
+        q, scale = quantize_group(weight, scale, gs, dtype, bits), scale.to(dtype)
     else:
-        q, scale = quantize_rtn(weight, recipe.group_size, dtype)
-    packed = pack_int4(q, scale)
+        q, scale = quantize_rtn(weight, gs, dtype, bits)
+    packed = pack_int(q, scale, 4 if bits == 4 else 8)
     return PackedInt4(packed.weight_packed.cpu(), packed.weight_scale.cpu(), packed.weight_shape)

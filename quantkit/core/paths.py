@@ -19,7 +19,8 @@ from typing import IO
 
 from quantkit.core.errors import QuantkitError
 
-__all__ = ["copy_file", "is_link", "open_write", "refuse_link", "remove_tree", "replace", "safe_mkdir"]
+__all__ = ["copy_file", "existing_ancestor", "is_link", "make_parents", "open_write", "refuse_link", "remove_tree",
+           "replace", "safe_mkdir"]
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -52,6 +53,33 @@ def safe_mkdir(path: Path, parents: bool = False) -> Path:
     path.mkdir(parents=parents, exist_ok=True)
     refuse_link(path)  # planted between the check and the mkdir: mkdir(exist_ok) accepts a link to a directory
     return path
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest ancestor of `path` that exists (as anything, a link included)."""
+    parent = path.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    return parent
+
+
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing parent directories of `path` (as `save_pretrained` and `hf download --local-dir` do),
+    outermost first, each one with `safe_mkdir`: a link planted at a component quantkit creates is refused, never
+    followed. The nearest existing ancestor is the user's (it may be a link to a directory); it must be a
+    writable directory. Returns the directories created."""
+    base = existing_ancestor(path)
+    if not base.is_dir():
+        raise QuantkitError(f"{base}: not a directory (a parent of {path})")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise QuantkitError(f"{base}: not writable (read-only file system or no permission)")
+    created = []
+    for parent in reversed(path.parents):
+        if len(parent.parts) <= len(base.parts):
+            continue
+        safe_mkdir(parent)
+        created.append(parent)
+    return created
 
 
 def open_write(path: Path, text: bool = False, exclusive: bool = False) -> IO[str] | IO[bytes]:

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.arch import Adapter, KVLayout, Role, get_adapter
+from quantkit.checkpoint.qconfig import is_per_unit, unit_formats_of_config
 from quantkit.engines.fp4 import WeightScheme
+from quantkit.quant.scheme import FORMATS, FormatName
+from quantkit.quant.units import list_units, unit_of
 
 __all__ = ["CheckpointFacts", "facts_from_checkpoint", "facts_from_recipe", "kv_scale_names",
            "read_checkpoint_facts", "scheme_of_config"]
@@ -30,6 +33,10 @@ class CheckpointFacts:
     mtp_present: bool
     kv_saturation_at_1: float | None = None  # worst layer's saturated fraction at scale 1.0 (calibration report)
     scheme: WeightScheme = "w4a16"
+    # a per-unit (mixed) output: unit -> format (None: a group quantkit does not write); empty for uniform ones
+    units: tuple[tuple[str, FormatName | None], ...] = ()
+    # per-unit outputs: the roles of quantized Linears outside every unit (what the role rules judge)
+    roles_outside_units: frozenset[Role] = frozenset()
 
     @property
     def quantized(self) -> bool:
@@ -64,7 +71,15 @@ def facts_from_checkpoint(config: dict[str, Any], tensor_names: Iterable[str],
     qc = config.get("quantization_config") or {}
     groups = list((qc.get("config_groups") or {}).values())
     weights = (groups[0].get("weights") or {}) if groups else {}
-    roles = frozenset(adapter.classify(n).role for n in names if n.endswith(".weight_packed"))
+    packed = [n for n in names if n.endswith(".weight_packed")]
+    roles = frozenset(adapter.classify(n).role for n in packed)
+    units: tuple[tuple[str, FormatName | None], ...] = ()
+    outside: frozenset[Role] = frozenset()
+    if is_per_unit(qc):
+        present = {unit_of(adapter, n) for n in names if n.endswith(("weight", "weight_packed"))} - {None}
+        formats = unit_formats_of_config(qc, adapter, [u for u in list_units(adapter) if u.name in present])
+        units = tuple(formats.items())
+        outside = frozenset(adapter.classify(n).role for n in packed if unit_of(adapter, n) is None)
     indexer = sorted({int(m.group(1)) for n in names if ".self_attn.indexer." in n and (m := _LAYER_OF.search(n))})
     mtp = any(_LAYER_OF.search(n) and int(_LAYER_OF.search(n).group(1)) >= adapter.num_layers  # type: ignore[union-attr]
               for n in names)
@@ -78,6 +93,8 @@ def facts_from_checkpoint(config: dict[str, Any], tensor_names: Iterable[str],
         mtp_present=mtp,
         kv_saturation_at_1=_worst_saturation(kv_report),
         scheme=scheme_of_config(qc),
+        units=units,
+        roles_outside_units=outside,
     )
 
 
@@ -92,9 +109,13 @@ def scheme_of_config(qc: dict[str, Any]) -> WeightScheme:
 
 
 def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[Role],
-                      kv_scales: bool, scheme: WeightScheme = "w4a16") -> CheckpointFacts:
-    """Facts of the checkpoint quantkit would write for `config` with a recipe (used by the planner)."""
+                      kv_scales: bool, scheme: WeightScheme = "w4a16",
+                      units: dict[str, FormatName] | None = None) -> CheckpointFacts:
+    """Facts of the checkpoint quantkit would write for `config` with a recipe (used by the planner); `units` is a
+    per-unit plan's unit -> format (quantkit/quant/precision.py)."""
     adapter = get_adapter(config)
+    if units:
+        roles = {u.role for u in list_units(adapter) if u.name in units and FORMATS[units[u.name]].quantized}
     # calibration measures the decoder layers; the MTP layer gets no KV scale
     names = [n for layer in range(adapter.num_layers) for n in kv_scale_names(adapter, layer)] if kv_scales else []
     return CheckpointFacts(
@@ -106,6 +127,7 @@ def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[R
         indexer_layers=tuple(adapter.indexer_layers()),
         mtp_present=adapter.num_mtp_layers > 0,
         scheme=scheme,
+        units=tuple(units.items()) if units else (),
     )
 
 

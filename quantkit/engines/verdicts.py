@@ -27,6 +27,9 @@ from quantkit.engines.facts import (
     scheme_of_config,
 )
 from quantkit.engines.fp4 import FP4_GPUS, WeightScheme, fp4_sglang, fp4_vllm
+from quantkit.engines.mixed import plan_refusals, sglang_moe_backend
+from quantkit.quant.precision import PrecisionPlan
+from quantkit.quant.scheme import FormatName
 
 __all__ = [
     "ENGINES",
@@ -123,7 +126,8 @@ def _has_scales(facts: CheckpointFacts, suffixes: tuple[str, ...]) -> bool:
 # ---- rules ------------------------------------------------------------------------------------------
 def _common_problems(facts: CheckpointFacts, engine: Engine) -> list[str]:
     problems = []
-    for role, why in unloadable_roles(facts.adapter, facts.quantized_roles).items():
+    roles = facts.roles_outside_units if facts.units else facts.quantized_roles  # units: quantkit/quant/units.py
+    for role, why in unloadable_roles(facts.adapter, roles).items():
         if engine == "vllm" or role in _MLA_UNQUANTIZED:
             problems.append(f"{role.value} is quantized: {why}")
     return problems
@@ -135,7 +139,9 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
     notes: list[str] = []
     warnings: list[str] = []
     problems = _common_problems(facts, "sglang")
-    if facts.quantized and facts.scheme != "w4a16":
+    if facts.units:
+        _mixed_sglang(facts, args, notes, problems)
+    elif facts.quantized and facts.scheme != "w4a16":
         notes += fp4_sglang(facts.scheme, problems)
     elif facts.quantized:
         # WNA16 MoE: Marlin is the Hopper kernel; the Triton WNA16 MoE accepts group 32 and 128 only
@@ -219,7 +225,9 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
     notes: list[str] = []
     warnings: list[str] = []
     problems = _common_problems(facts, "vllm")
-    if facts.quantized and facts.scheme != "w4a16":
+    if facts.units:
+        _mixed_vllm(facts, notes, problems)
+    elif facts.quantized and facts.scheme != "w4a16":
         notes += fp4_vllm(facts.scheme, warnings)
     if not facts.kv_scale_names:
         kv = KVCacheUse("auto", "per-tile" if a.kv_layout == KVLayout.DSA else "none",
@@ -247,6 +255,51 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
     elif facts.mtp_present:
         notes.append('MTP layer present: add --speculative-config \'{"method": "mtp", "num_speculative_tokens": 1}\'')
     return _verdict("vllm", args, kv, notes, warnings, problems, ignored, facts.scheme)
+
+
+def _mixed_sglang(facts: CheckpointFacts, args: list[str], notes: list[str], problems: list[str]) -> None:
+    """A per-unit output in SGLang: the one `--moe-runner-backend` every MoE layer's scheme runs under, the
+    shared-expert fusion a family must keep off, and the plan's refusals (quantkit/engines/mixed.py)."""
+    plan, formats = _plan(facts)
+    backend = sglang_moe_backend(plan)
+    args += ["--moe-runner-backend", backend]
+    if backend == "auto":
+        notes.append("FP8-block MoE layers: --moe-runner-backend auto (WNA16 layers on Marlin, FP8 on Triton on "
+                     "SM90); under marlin an FP8 MoE layer gets no runner")
+    shared = int(facts.adapter.config.get("n_shared_experts") or 0)
+    fuses = facts.adapter.record.quirks.sglang_fuses_shared_experts
+    if fuses and shared and Role.SHARED_EXPERT in facts.quantized_roles:  # else the uniform rule below adds it
+        # glm4_moe.py fuses the shared experts into the routed MoE layer, whose scheme is the routed experts'
+        args.append("--disable-shared-experts-fusion")
+        notes.append("per-unit formats: shared-expert fusion off (a fused shared expert would take the routed "
+                     "experts' scheme)")
+    problems += _unknown_formats(formats) + [r.line().split(": ", 1)[1] for r in plan_refusals(
+        plan, facts.adapter, ("sglang",))]
+    notes.append(f"per-unit formats: {_format_counts(formats)}")
+
+
+def _mixed_vllm(facts: CheckpointFacts, notes: list[str], problems: list[str]) -> None:
+    """A per-unit output in vLLM (its default MoE backend runs WNA16 4/8-bit and FP8-block MoE layers)."""
+    plan, formats = _plan(facts)
+    problems += _unknown_formats(formats) + [r.line().split(": ", 1)[1] for r in plan_refusals(
+        plan, facts.adapter, ("vllm",))]
+    notes.append(f"per-unit formats: {_format_counts(formats)}")
+
+
+def _plan(facts: CheckpointFacts) -> tuple[PrecisionPlan, dict[str, FormatName | None]]:
+    formats = dict(facts.units)
+    return PrecisionPlan(units={u: f for u, f in formats.items() if f is not None}), formats
+
+
+def _unknown_formats(formats: dict[str, FormatName | None]) -> list[str]:
+    return [f"unit {u}: its config group is not a format quantkit writes" for u, f in formats.items() if f is None]
+
+
+def _format_counts(formats: dict[str, FormatName | None]) -> str:
+    counts: dict[str, int] = {}
+    for f in formats.values():
+        counts[str(f)] = counts.get(str(f), 0) + 1
+    return ", ".join(f"{n} x {f}" for f, n in counts.items())
 
 
 def _indexer_problems(facts: CheckpointFacts, rule: Literal["transformers", "vllm"], who: str) -> list[str]:

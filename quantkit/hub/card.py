@@ -21,7 +21,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.jsontypes import JSON, JSONObject
 from quantkit.core.paths import open_write, refuse_link, replace
 from quantkit.engines.verdicts import ENGINES
-from quantkit.hub.card_sections import NOT_RECORDED, serving_section
+from quantkit.hub.card_sections import NOT_RECORDED, precision_section, serving_section
 from quantkit.hub.card_sections import table as _table
 
 __all__ = ["CARD_MARK", "CARD_NAME", "SOURCE_README", "is_generated_card", "render_card", "write_card"]
@@ -75,6 +75,7 @@ def render_card(directory: Path, repo_id: str | None = None, base_model: str | N
     sections = [
         f"# {name}\n\n{_intro(record, base)}\n\n{CARD_MARK}",
         _scheme(record, config),
+        precision_section(record.get("precision")),
         _accounting(record, config),
         _sizes(record),
         _plan_table(directory, config),
@@ -187,7 +188,8 @@ def _scheme(record: JSONObject, config: JSONObject) -> str:
         weights = group.get("weights") or {}
         break
     rows = [
-        ["scheme", _weight_scheme(config).upper()],
+        ["scheme", _weight_scheme(config).upper() if "precision" not in record else "per unit (see Per-layer "
+         "precision)"],
         ["bits", f"{weights.get('num_bits', 4)} ({weights.get('type', 'int')})"],
         ["group size", weights.get("group_size", recipe.get("group_size"))],
         ["symmetric", "yes" if weights.get("symmetric", True) else "no"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.verdicts import ENGINES
 
-__all__ = ["NOT_RECORDED", "serving_section", "table"]
+__all__ = ["NOT_RECORDED", "precision_section", "serving_section", "table"]
 
 NOT_RECORDED = "engine verdicts: not recorded (run quantkit validate --engine all)"
 
@@ -64,3 +64,35 @@ def _pd_pair(pd: JSONObject, model_ref: str, split: bool = False) -> str:
             + table(["side", "checkpoint", "KV dtype", "KV scale", "attention", "KV row per token and layer"], rows)
             + "\n\n```bash\n" + "\n".join(cmds) + "\n```\n\n" + f"The prefill gives up: {pd.get('gives_up', '')}.")
     return text + "".join(f"\n- {n}" for n in pd.get("notes") or [])
+
+
+_KINDS = (("experts", "routed experts"), ("shared_experts", "shared experts"), ("attention", "attention"),
+          ("mlp", "dense MLP"))
+
+
+def precision_section(precision: JSONObject | None) -> str:
+    """A per-unit (mixed) checkpoint: each layer's format per unit, and the bytes per format (quantkit.json
+    `precision`); empty for a uniform checkpoint."""
+    if not precision or not precision.get("units"):
+        return ""
+    units = precision["units"]
+    kinds = [(k, label) for k, label in _KINDS if any(u["kind"] == k for u in units)]
+    by_layer: dict[int, dict[str, JSONObject]] = {}
+    for u in units:
+        by_layer.setdefault(int(u["layer"]), {})[u["kind"]] = u
+    kl = any("predicted_kl" in u for u in units)
+    rows = []
+    for layer, row in sorted(by_layer.items()):
+        mtp = any(u.get("mtp") for u in row.values())
+        cells: list[object] = [f"{layer}{' (MTP)' if mtp else ''}"]
+        cells += [row[k]["label"] if k in row else "" for k, _ in kinds]
+        if kl:
+            cells.append(f"{sum(u.get('predicted_kl', 0.0) for u in row.values()):.3g}")
+        rows.append(cells)
+    header = ["layer", *[label for _, label in kinds]] + (["predicted KL"] if kl else [])
+    totals = [[name, f["units"], f"{f['params']:,}", f"{f['bytes']:,}"]
+              for name, f in (precision.get("formats") or {}).items()]
+    return ("## Per-layer precision\n\nEach unit's format (a routed-experts unit is every expert and projection of "
+            "its layer: SGLang and vLLM take one scheme per MoE layer). The engines' loader code was executed on "
+            "such mixes (docs/mixed-precision.md).\n\n" + table(header, rows) + "\n\n"
+            + table(["format", "units", "weights", "bytes"], totals))

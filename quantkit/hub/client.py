@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from quantkit.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file, update_manifest, verify_manifest
 from quantkit.checkpoint.source import PICKLE_SUFFIXES
 from quantkit.core.errors import QuantkitError
-from quantkit.core.paths import open_write, replace, safe_mkdir
+from quantkit.core.paths import make_parents, open_write, replace, safe_mkdir
 from quantkit.core.progress import Reporter, Silent
 from quantkit.hub import ORIGIN_FILE, read_origin
 from quantkit.hub.card import CARD_NAME, is_generated_card, write_card
@@ -256,7 +256,8 @@ def pull(
         raise QuantkitError(f"{where}@{commit}: holds {what}; pickle files are never downloaded")
     for p in refused:
         progress.note(f"refused {p}: pickle file, never downloaded")
-    safe_mkdir(dest, parents=True)  # a link planted at DEST is refused: nothing is downloaded through it
+    make_parents(dest)  # missing parents created one by one under the path rule (quantkit.core.paths)
+    safe_mkdir(dest)  # a link planted at DEST is refused: nothing is downloaded through it
     origin = {"repo_id": repo_id, "revision": revision or "main", "commit": commit, "verified": False}
     _write_origin(dest, origin)
     with _hub_errors(where):

@@ -12,10 +12,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from quantkit.arch import Role, family_of_config
 from quantkit.core.errors import QuantkitError
+from quantkit.quant.scheme import FORMATS, FormatName, UnitScheme, WeightFormat
 
 __all__ = ["Recipe", "Scheme", "load_recipe", "parse_size", "RECIPES_DIR", "default_recipe_name"]
 
@@ -24,6 +34,7 @@ __all__ = ["Recipe", "Scheme", "load_recipe", "parse_size", "RECIPES_DIR", "defa
 Scheme = Literal["w4a16", "nvfp4a16", "mxfp4a16", "nvfp4"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+_UNIT_KEY = re.compile(r"layers\.[0-9*?\[\]!-]+\.(experts|shared_experts|attention|mlp|\*)")
 
 
 class GPTQSettings(BaseModel):
@@ -67,6 +78,28 @@ class Recipe(BaseModel):
     calibration: CalibrationSettings = CalibrationSettings()
     kv_cache: Literal["fp8"] | None = None
     max_shard_size: str = "5GB"
+    # per-unit formats overriding the uniform scheme (docs/mixed-precision.md): unit name ("layers.3.experts") or
+    # an fnmatch pattern ("layers.*.shared_experts"; an exact name wins over patterns, later patterns over
+    # earlier ones) -> format. Empty: the uniform recipe, written exactly as before (the key is not serialized).
+    units: dict[str, FormatName] = Field(default_factory=dict)
+
+    @field_validator("units")
+    @classmethod
+    def _units_named(cls, value: dict[str, FormatName]) -> dict[str, FormatName]:
+        for key, name in value.items():
+            if not _UNIT_KEY.fullmatch(key):
+                raise ValueError(f"unit {key!r}: expected layers.N.(experts|shared_experts|attention|mlp), "
+                                 "N a layer number or an fnmatch pattern")
+            if not FORMATS[name].mixable:
+                raise ValueError(f"unit {key!r}: format {name} is for uniform recipes only")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_units(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not self.units:
+            data.pop("units", None)
+        return data
 
     @field_validator("max_shard_size")
     @classmethod
@@ -80,7 +113,25 @@ class Recipe(BaseModel):
             raise ValueError(f"scheme {self.scheme}: GPTQ writes INT4 only; use method rtn (data-free FP4)")
         if self.scheme != "w4a16" and self.scale_search != "minmax":
             raise ValueError(f"scheme {self.scheme}: scale_search is minmax only (compressed-tensors' FP4 scales)")
+        if self.units and not self.uniform_format.mixable:
+            raise ValueError(f"scheme {self.scheme}: per-unit formats need a mixable uniform scheme "
+                             "(w4a16 or nvfp4a16)")
         return self
+
+    @property
+    def uniform_format(self) -> WeightFormat:
+        """The format of every quantized role's tensors that no `units` entry overrides."""
+        return FORMATS[f"int4-g{self.group_size}" if self.scheme == "w4a16" else self.scheme]  # type: ignore[index]
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the recipe carries per-unit formats (a precision plan)."""
+        return bool(self.units)
+
+    def unit_scheme(self, fmt: WeightFormat) -> UnitScheme:
+        """How a tensor in `fmt` is written under this recipe (GPTQ only computes INT formats; FP4 is data-free)."""
+        method = self.method if fmt.kind == "int" else "rtn"
+        return UnitScheme(fmt, method, self.scale_search if fmt.kind == "int" else "minmax")
 
     @property
     def fp4(self) -> Literal["nvfp4", "mxfp4"] | None:

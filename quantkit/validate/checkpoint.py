@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantkit.arch import Adapter, KVLayout, Role, get_adapter
+from quantkit.checkpoint.qconfig import is_per_unit
 from quantkit.checkpoint.safetensors_header import ShardHeader, read_header
 from quantkit.checkpoint.source import INDEX_NAME
 from quantkit.core.errors import QuantkitError
@@ -37,6 +38,7 @@ from quantkit.validate.fp4 import (
     qconfig_problems,
     unfused_scale_problems,
 )
+from quantkit.validate.mixed import check_mixed
 from quantkit.validate.report import Check, CheckStatus, Output, ValidationReport
 from quantkit.validate.serving import check_kv_scales, check_pd_pairs
 
@@ -62,13 +64,17 @@ def validate_checkpoint(path: str | Path, source: str | Path | None = None, samp
     out = _load(root, report)
     if out is None:
         return report
-    qconfig = _check_qconfig(out, report)
-    modules = _quantized_modules(out)
+    if is_per_unit(out.config.get("quantization_config") or {}):  # per-unit formats: validate/mixed.py
+        modules = check_mixed(out, report, sample)
+        _check_mtp(out, get_adapter(out.config), report)
+    else:
+        qconfig = _check_qconfig(out, report)
+        modules = _quantized_modules(out)
+        _check_modules(out, modules, qconfig, report)
+        _check_decompress(out, modules, qconfig, report, sample)
+        _check_engine_rules(out, modules, qconfig, report)
     report.facts.update(quantized_modules=len(modules), shards=len(out.headers),
                         bytes=sum(h.file_size for h in out.headers.values()))
-    _check_modules(out, modules, qconfig, report)
-    _check_decompress(out, modules, qconfig, report, sample)
-    _check_engine_rules(out, modules, qconfig, report)
     check_kv_scales(out, report)
     report.engines = engine_verdicts(read_checkpoint_facts(root), engines)
     check_pd_pairs(root, report)
@@ -331,7 +337,6 @@ def _error_problems(out: Output, source: SourceCheckpoint, modules: list[str], m
     if (recipe.get("method"), recipe.get("scale_search"), recipe.get("scheme", "w4a16")) != ("rtn", "minmax", "w4a16"):
         return []
     problems = []
-    group = int(recipe.get("group_size", 32))
     for m in modules[:: max(1, len(modules) // 8)][:8]:
         name = m + ".weight"
         if name not in source.logical:
@@ -341,11 +346,13 @@ def _error_problems(out: Output, source: SourceCheckpoint, modules: list[str], m
             scale = fh.get_tensor(f"{m}.weight_scale").float()
         with safe_open(out.root / out.tensors[f"{m}.weight_packed"][0], "pt") as fh:
             packed = fh.get_tensor(f"{m}.weight_packed")
-        from quantkit.quant.int4 import dequantize_group, unpack_int4
+        from quantkit.quant.int4 import dequantize_group, qrange, unpack_int4, unpack_int8
 
-        deq = dequantize_group(unpack_int4(packed, tuple(w.shape)), scale, group)
-        # half a step, plus the clamp at +7 when the bf16-rounded scale came out below absmax/7.5
-        bound = scale.repeat_interleave(group, 1) * (0.5 + 7.5 * 2**-8) + 1e-6
+        group, bits = w.shape[1] // scale.shape[1], 32 * packed.shape[1] // w.shape[1]  # per module (mixed outputs)
+        codes = unpack_int4(packed, tuple(w.shape)) if bits == 4 else unpack_int8(packed)
+        deq = dequantize_group(codes, scale, group)
+        # half a step, plus the clamp at qmax when the bf16-rounded scale came out below absmax / divisor
+        bound = scale.repeat_interleave(group, 1) * (0.5 + qrange(bits)[2] * 2**-8) + 1e-6
         if not ((w - deq).abs() <= bound).all():
             problems.append(f"{m}: dequantized weight differs from the source by more than half a step")
     return problems

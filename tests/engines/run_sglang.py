@@ -290,7 +290,8 @@ def _moe_notes(model: Module, quant_config: SGLangObject) -> dict[str, object]:
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
-    notes: dict[str, object] = {"moe_runner_backend": str(get_moe_runner_backend().value)}
+    notes: dict[str, object] = {"moe_runner_backend": str(get_moe_runner_backend().value),
+                                "moe_runners": _moe_runners(model)}
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and quant_config is not None and hasattr(quant_config, "get_scheme_dict"):
             scheme = quant_config.get_scheme_dict(module, f"{name}.0.gate_proj")
@@ -300,6 +301,22 @@ def _moe_notes(model: Module, quant_config: SGLangObject) -> dict[str, object]:
                 notes["triton_wna16_moe_supported_for_group"] = quant_config._is_wna16_triton_moe_supported(weights)
             break
     return notes
+
+
+def _moe_runners(model: Module) -> dict[str, dict[str, object]]:
+    """Per MoE layer with a quantized scheme: the runner backend that scheme built (None: it built none, so its
+    forward would fail: `CompressedTensorsW8A8Fp8MoE` under `--moe-runner-backend marlin`), and its bits / group."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+
+    out: dict[str, dict[str, object]] = {}
+    for name, module in model.named_modules():
+        scheme = getattr(module, "scheme", None)
+        if isinstance(module, FusedMoE) and scheme is not None:
+            runner = getattr(scheme, "runner", None)
+            out[name] = {"scheme": type(scheme).__name__,
+                         "runner": None if runner is None else str(runner.runner_backend.value),
+                         "bits": getattr(scheme, "num_bits", None), "group": getattr(scheme, "group_size", None)}
+    return out
 
 
 def _engine_computed(model: Module) -> set[str]:

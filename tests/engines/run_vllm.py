@@ -149,6 +149,19 @@ def _quant_method_name(module: Any) -> str | None:
     return type(method).__name__ + (f":{backend.name}" if backend is not None else "")
 
 
+def _moe_backends(model: Any) -> dict[str, dict[str, object]]:
+    """Per MoE layer with a quantized method: the backend vLLM's oracle picked for it, and its bits / group."""
+    out: dict[str, dict[str, object]] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        backend = next((getattr(method, a) for a in ("wna16_backend", "fp8_backend", "nvfp4_backend")
+                        if getattr(method, a, None) is not None), None)
+        if backend is not None or hasattr(method, "wna16_backend") or hasattr(method, "fp8_backend"):
+            out[name] = {"method": type(method).__name__, "backend": None if backend is None else backend.name,
+                         "bits": getattr(method, "num_bits", None), "group": getattr(method, "group_size", None)}
+    return out
+
+
 def _survey(model: Any) -> tuple[dict[str, str], dict[str, dict[str, float | None]], dict[str, str]]:
     """(quant method per Linear/MoE/attention module, KV scales the attention reads, KV dtype per layer)."""
     from torch import nn
@@ -257,6 +270,9 @@ def load_section(config: Any, model_config: Any) -> dict[str, Any]:
             section["error"] = _error(exc)
     methods, kv, kv_dtype = _survey(model)
     section["methods"] = methods
+    section["notes"]["moe_backends"] = _moe_backends(model)
+    section["notes"]["linear_schemes"] = {n: type(m.scheme).__name__ for n, m in model.named_modules()
+                                          if getattr(m, "scheme", None) is not None}
     section["kv"] = kv
     dtypes = sorted(set(kv_dtype.values()))
     section["kv_cache_dtype"] = dtypes[0] if len(dtypes) == 1 else (dtypes or None)
