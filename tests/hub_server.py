@@ -67,11 +67,15 @@ def lfs_pointer(oid: str, size: int) -> bytes:
 class HubTestServer:
     """Start with `with HubTestServer(tmp_path, token) as hub:`; `hub.url` is the endpoint."""
 
-    def __init__(self, store: Path, token: str, put_delay_s: float = 0.0) -> None:
+    def __init__(self, store: Path, token: str) -> None:
         self.store = store
         self.token = token
-        self.put_delay_s = put_delay_s  # sleep per 64 KiB received in an LFS PUT (to kill mid-upload)
         self.serial_puts = threading.Lock()  # one LFS PUT at a time: a kill leaves a clean boundary
+        # With `hold_puts_after = n`, the LFS PUT that comes after n completed ones waits, mid-upload, until
+        # `release` is set (`holding` says it is waiting): a client killed then has uploaded exactly n objects.
+        self.hold_puts_after: int | None = None
+        self.holding = threading.Event()
+        self.release = threading.Event()
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
         self.commits: list[dict[str, object]] = []
@@ -236,6 +240,9 @@ def _handler(hub: HubTestServer) -> type[BaseHTTPRequestHandler]:
             if not hmac.compare_digest(query.get("sig", [""])[0], hub.sign(oid)):
                 return self._error(403, "bad upload signature")
             with hub.serial_puts:
+                if hub.hold_puts_after is not None and len(hub.lfs_puts) >= hub.hold_puts_after:
+                    hub.holding.set()
+                    hub.release.wait(timeout=600)
                 self._receive_object(oid)
 
         def _receive_object(self, oid: str) -> None:
@@ -259,8 +266,6 @@ def _handler(hub: HubTestServer) -> type[BaseHTTPRequestHandler]:
                         fh.write(chunk)
                         digest.update(chunk)
                         remaining -= len(chunk)
-                        if hub.put_delay_s:
-                            time.sleep(hub.put_delay_s)
             if remaining > 0 or digest.hexdigest() != oid:
                 tmp.unlink(missing_ok=True)
                 return self._error(400, "uploaded bytes do not match the announced sha256")

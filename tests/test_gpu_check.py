@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +21,33 @@ SECTIONS = ("tests", "kernels", "integrity", "sglang_plugin", "gptq_tiny", "gptq
 TORCH_ONLY = ("kernels", "integrity", "sglang_plugin", "gptq_layer", "rtn")  # need nothing but torch: must run
 
 
+# A section that never ends on its own: the driver's time box always wins the race, on any machine.
+BLOCKS_UNTIL_KILLED = '''"""A section that blocks until the driver kills it."""
+import threading
+
+
+def run(ctx, rep):
+    threading.Event().wait()
+'''
+
+
 @pytest.fixture()
 def gc(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """bench/gpu_check.py as a module (bench/ is not a package)."""
+    """bench/gpu_check.py (the driver) as a module (bench/ is not a package)."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     return importlib.import_module("gpu_check")
+
+
+@pytest.fixture()
+def sections(gc: ModuleType) -> ModuleType:
+    """bench/gpu_sections: the registry (its `common` and section modules beside it)."""
+    return importlib.import_module("gpu_sections")
+
+
+@pytest.fixture()
+def tests_section(gc: ModuleType) -> ModuleType:
+    """bench/gpu_sections/tests.py: which test files can run here, and pytest's output counted."""
+    return importlib.import_module("gpu_sections.tests")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -85,13 +108,13 @@ def test_smoke_sections_measure_through_the_real_code(smoke) -> None:
         assert not s["tests"]["figures"]["totals"].get("failed")
 
 
-def test_smoke_summary_lists_targets_as_not_applicable(smoke, gc) -> None:
+def test_smoke_summary_lists_targets_as_not_applicable(smoke, sections) -> None:
     text = (smoke[0] / "summary.md").read_text()
     assert "Smoke run" in text
     targets = text.split("## Targets")[1].split("## Sections")[0]
     verdict_rows = [line for line in targets.splitlines() if line.startswith("| ") and "verdict" not in line]
     assert len(verdict_rows) == 6 and all(line.split("|")[4].strip() == "n/a" for line in verdict_rows)
-    assert all(title in text for title in gc.SECTIONS.values())
+    assert all(title in text for title in sections.SECTIONS.values())
 
 
 def test_time_box_keeps_what_was_measured(tmp_path: Path) -> None:
@@ -105,9 +128,15 @@ def test_time_box_keeps_what_was_measured(tmp_path: Path) -> None:
 
 
 def test_driver_kills_a_section_at_its_box_and_goes_on(tmp_path: Path) -> None:
+    bench = tmp_path / "checkout" / "bench"  # a copy of the check whose rtn section blocks until it is killed
+    shutil.copytree(REPO / "bench" / "gpu_sections", bench / "gpu_sections",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("gpu_check.sh", "gpu_check.py", "gpu_check_summary.py"):
+        shutil.copy2(REPO / "bench" / name, bench / name)
+    (bench / "gpu_sections" / "rtn.py").write_text(BLOCKS_UNTIL_KILLED)
     out = tmp_path / "out"
     env = _env(OUT=str(out), GPU_CHECK_BOXES="rtn=1", GPU_CHECK_WHEELS=str(tmp_path / "none"))
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--smoke", "--only", "rtn"], env=env,
+    proc = subprocess.run(["bash", str(bench / "gpu_check.sh"), "--smoke", "--only", "rtn"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((out / "rtn.json").read_text())
@@ -116,8 +145,9 @@ def test_driver_kills_a_section_at_its_box_and_goes_on(tmp_path: Path) -> None:
     assert "| not run |" in (out / "summary.md").read_text()  # the sections left out say so
 
 
-def test_stub_marks_a_killed_section_and_keeps_its_rows(gc, tmp_path: Path) -> None:
-    rep = gc.Report("kernels", gc.SECTIONS["kernels"], False, tmp_path, figures={"rows": [{"m": 1}]})
+def test_stub_marks_a_killed_section_and_keeps_its_rows(gc, sections, tmp_path: Path) -> None:
+    common = importlib.import_module("gpu_sections.common")
+    rep = common.Report("kernels", sections.SECTIONS["kernels"], False, tmp_path, figures={"rows": [{"m": 1}]})
     rep.save()  # what a section leaves behind while it is still "running"
     log = tmp_path / "kernels.log"
     log.write_text("compiling...\nlast line before the kill\n")
@@ -130,16 +160,16 @@ def test_stub_marks_a_killed_section_and_keeps_its_rows(gc, tmp_path: Path) -> N
     assert data["status"] == "error" and "139" in data["skip_reason"]
 
 
-def test_missing_packages_are_found_through_quantkit_imports(gc, tmp_path: Path) -> None:
+def test_missing_packages_are_found_through_quantkit_imports(tests_section, tmp_path: Path) -> None:
     test = tmp_path / "test_x.py"
     test.write_text("import os\nimport qk_absent_pkg_one.sub\nfrom quantkit.kernels import bench\n"
                     "if True:\n    from qk_absent_pkg_two import thing\n"
                     "def later():\n    import qk_absent_in_function\n")
-    assert gc.missing_modules(test) == {"qk_absent_pkg_one", "qk_absent_pkg_two"}
-    assert gc.missing_modules(REPO / "quantkit" / "kernels" / "bench.py") == set()  # torch is here
+    assert tests_section.missing_modules(test) == {"qk_absent_pkg_one", "qk_absent_pkg_two"}
+    assert tests_section.missing_modules(REPO / "quantkit" / "kernels" / "bench.py") == set()  # torch is here
 
 
-def test_pytest_output_is_counted_per_file(gc) -> None:
+def test_pytest_output_is_counted_per_file(tests_section) -> None:
     output = "\n".join([
         "tests/test_a.py::test_one PASSED                                   [ 25%]",
         "tests/test_a.py::test_two[1-2] FAILED                              [ 50%]",
@@ -148,7 +178,7 @@ def test_pytest_output_is_counted_per_file(gc) -> None:
         "ERROR tests/test_c.py - ModuleNotFoundError: No module named 'x'",
         "=========== 1 failed, 1 passed, 1 skipped, 1 error in 12.34s ===========",
     ])
-    res = gc.parse_pytest(output)
+    res = tests_section.parse_pytest(output)
     assert res["files"]["tests/test_a.py"] == {"passed": 1, "failed": 1}
     assert res["files"]["tests/test_b.py"] == {"skipped": 1}
     assert res["files"]["tests/test_c.py"] == {"collection_error": 1}
@@ -195,3 +225,11 @@ def test_real_shapes_come_from_the_bundled_configs_sharded_for_tp8() -> None:
             split_in = layer in ("expert.down_proj", "attn.o_proj")
             assert (n, k) == ((fn // 8 if split_out else fn), (fk // 8 if split_in else fk)), layer
             assert k % dims["group"] == 0  # every TP8 shard still holds whole quantization groups
+
+
+def test_every_section_module_is_registered_and_runnable(sections) -> None:
+    modules = {p.stem for p in (REPO / "bench" / "gpu_sections").glob("*.py")} - {"__init__", "common"}
+    assert modules == set(sections.BY_NAME)  # a section module is one registry line away from running
+    assert all(callable(s.runner()) for s in sections.REGISTRY)
+    order = [s.name for s in sections.run_order()]
+    assert order[:4] == ["integrity", "sglang_plugin", "gptq_layer", "rtn"] and order[-1] == "gptq_tiny"

@@ -269,21 +269,22 @@ def test_token_handling(cli, hub, out, monkeypatch, tmp_path):
 
 
 def test_killed_upload_resumes(cli, hub, out):
-    hub.put_delay_s = 0.25  # per 64 KiB: each shard takes ~0.5 s, one at a time
+    hub.hold_puts_after = 1  # the second shard's upload waits in the server until the client is killed
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "quantkit", "push", str(out), "org/m", "--quiet"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
-    while not hub.lfs_puts and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
+    deadline = time.monotonic() + 600  # only a guard against a hung push; the hold decides when the kill comes
+    while not hub.holding.wait(timeout=0.1) and proc.poll() is None and time.monotonic() < deadline:
+        pass  # (a push that ends by itself never reaches the held upload: the assertions below say so)
     proc.send_signal(signal.SIGKILL)
     printed = proc.communicate()[0].decode(errors="replace")
     first_run = list(hub.lfs_puts)
+    hub.hold_puts_after = None
+    hub.release.set()
     assert first_run, printed
     assert hub.commits == [], "killed before the commit"
     assert len(first_run) < len(_shards(out)), "the kill came too late to test a resume"
 
-    hub.put_delay_s = 0.0
     code, stdout, err = cli("push", str(out), "org/m", "--quiet")
     assert code == 0, err
     resent = hub.lfs_puts[len(first_run):]

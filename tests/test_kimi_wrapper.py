@@ -6,7 +6,7 @@ import json
 
 from checkpoint_refs import read_all
 
-from quantkit.checkpoint.synth import wrap_multimodal
+from quantkit.checkpoint.synth import KIMI_PROCESSOR_FILES, wrap_multimodal
 from quantkit.convert.pipeline import convert
 from quantkit.quant.recipe import load_recipe
 from quantkit.validate.checkpoint import validate_checkpoint
@@ -28,5 +28,7 @@ def test_kimi_wrapper_int4_passes_through_and_validates(ckpt_factory, tmp_path):
     assert after[name].equal(before[name])
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert r"re:.*vision_tower.*" in qc["ignore"]
+    for name in KIMI_PROCESSOR_FILES:  # the image processor vLLM reads while it builds the model: carried over
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
     report = validate_checkpoint(out, src)
     assert report.ok, [c for c in report.checks if c.status == "fail"]

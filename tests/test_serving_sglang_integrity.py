@@ -52,7 +52,9 @@ def test_unset_installs_nothing_and_tags_installs_the_hooks(report):
     assert on["registered"] and on["wrapped"]
     for target in ("PagedTokenToKVPoolAllocator._release_page_ids", "TokenToKVPoolAllocator.free",
                    "allocation.alloc_for_extend", "allocation.alloc_for_decode",
-                   "UnifiedRadixCache.checkpoint_into_tree", "ScheduleBatch.prepare_for_decode"):  # fmt: skip
+                   "UnifiedRadixCache.checkpoint_into_tree", "ScheduleBatch.prepare_for_decode",
+                   "GenerationBatchResult.copy_to_cpu", "SchedulerBatchResultProcessor._normalize_decode_outputs",
+                   "common.release_kv_cache"):  # fmt: skip
         assert any(t.endswith(target) for t in on["targets"]), target
 
 
@@ -68,11 +70,22 @@ def test_premature_free_aborts_only_that_request_logs_it_and_frees_nothing_twice
     [line] = r["log"]
     assert r["rid"] in line and f"page {r['page']}" in line and f"tag {abort['expected_tag']}" in line
     assert f"live tag {abort['actual_tag']}" in line
+    # the client got the abort through SGLang's own output streamer, and no token of the faulty step
+    assert r["streamed_reason"]["message"] == r["finished_reason"] and r["streamed_reason"]["status_code"] == 500
+    assert r["tokens_after_fault"] == 0
 
 
 def test_checkpoint_rewrite_of_a_row_is_not_a_mismatch(report):
     r = report["shared_prompt_rewrite"]
     assert r["rows_share_prefix"] and r["aborts"] == 0 and r["wrong"] == 0
+
+
+def test_mixed_batch_aborts_the_flagged_decode_request_without_its_token(report):
+    r = report["mixed"]
+    assert r["mode_mixed"] and r["aborted"] == [r["victim"]] and r["kv_released"]
+    assert r["victim_tokens"] == 0 and r["other_tokens"] == 1 and r["prefill_tokens"] == 1
+    assert r["streamed"]["message"] == "KV page integrity check failed (quantkit)"
+    assert r["streamed"]["status_code"] == 500
 
 
 def test_clear_makes_every_old_record_stale(report):
@@ -87,13 +100,20 @@ def test_campaign_every_fault_detected_no_false_positive_no_wrong_data(report):
     for r in runs:
         assert r["steps"] == 100 and r["injected"] > 0, r
         assert r["detected"] == r["injected"] and r["false_positives"] == 0 and r["wrong_data_served"] == 0, r
+        assert r["ordering"] == "non_overlap+overlap" and r["moot"] == 0, r
+        # nothing computed from a page that failed the check reached a client; every abort reached its client
+        assert r["wrong_tokens_streamed"] == 0 and r["tokens_streamed"] > 0, r
+        assert r["aborts_streamed"] == r["check_aborts"] > 0, r
     for kind in FAULT_KINDS:
         assert sum(r["by_kind"][kind]["injected"] for r in runs) > 0, kind
 
 
 def test_unguarded_control_serves_wrong_data(report):
-    [control] = [r for r in report["campaigns"] if r.get("control")]
-    assert control["injected"] > 0 and control["detected"] == 0 and control["wrong_data_served"] > 0
+    controls = [r for r in report["campaigns"] if r.get("control")]
+    assert sorted(r["ordering"] for r in controls) == ["non_overlap", "overlap"]
+    for control in controls:
+        assert control["injected"] > 0 and control["detected"] == 0 and control["wrong_data_served"] > 0
+        assert control["wrong_tokens_streamed"] > 0  # the metric can fail: without the check, wrong tokens stream
 
 
 def _rank(rank: int, port: int, out: dict) -> None:
@@ -128,6 +148,7 @@ def test_campaign_longer(tmp_path: Path):
         if r.get("control"):
             continue
         assert r["detected"] == r["injected"] > 0 and r["false_positives"] == 0 and r["wrong_data_served"] == 0, r
+        assert r["wrong_tokens_streamed"] == 0, r
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ Adding a family is one `Family(...)` here plus its tests; everything else looks 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -26,6 +26,9 @@ __all__ = [
     "family_for",
     "family_of_config",
 ]
+
+
+SynthConfig = dict[str, int | float | str | bool]  # config.json keys of a synthetic model
 
 
 class KVLayout(str, Enum):
@@ -77,8 +80,9 @@ class Family:
     kv_layout: KVLayout
     mtp_own_embedding: bool  # MTP layers carry their own embed_tokens and shared_head.head
     quirks: EngineQuirks
-    # config.json keys of the synthetic model beyond the common ones, from (hidden, heads)
-    synth: Callable[[int, int], dict[str, Any]] = field(repr=False)
+    # config.json keys of the synthetic model beyond the common ones, from (hidden, heads) and the keys the
+    # caller sets itself (a dimension derived from one of those follows it)
+    synth: Callable[[int, int, Mapping[str, object]], SynthConfig] = field(repr=False)
     description: str = ""
 
 
@@ -98,18 +102,24 @@ class Wrapper:
 _DEEPSEEK_RELEASE_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1)
 
 
-def _mla_synth(hidden: int, heads: int) -> dict[str, Any]:
+def _mla_synth(hidden: int, heads: int, given: Mapping[str, object]) -> SynthConfig:
     head = hidden // heads
     return dict(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
                 v_head_dim=head, num_key_value_heads=heads, **_DEEPSEEK_RELEASE_KEYS)
 
 
-def _dsa_synth(hidden: int, heads: int) -> dict[str, Any]:
-    return dict(_mla_synth(hidden, heads), index_n_heads=2, index_head_dim=hidden // 2, index_topk=16,
+def _dsa_synth(hidden: int, heads: int, given: Mapping[str, object]) -> SynthConfig:
+    mla = _mla_synth(hidden, heads, given)
+    # The indexer rotates the first qk_rope_head_dim values of its head, so its head is wider than the rope
+    # part: GLM-5.x releases carry 128 vs 64 (twice). hidden // 2 where that is wider (the sizes' old shape).
+    rope = given.get("qk_rope_head_dim", mla["qk_rope_head_dim"])
+    if not isinstance(rope, int):
+        raise QuantkitError(f"synthetic config: qk_rope_head_dim must be an integer, not {rope!r}")
+    return dict(mla, index_n_heads=2, index_head_dim=max(hidden // 2, 2 * rope), index_topk=16,
                 indexer_rope_interleave=True, rope_interleave=True)
 
 
-def _gqa_synth(hidden: int, heads: int) -> dict[str, Any]:
+def _gqa_synth(hidden: int, heads: int, given: Mapping[str, object]) -> SynthConfig:
     return dict(num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, partial_rotary_factor=0.5,
                 use_qk_norm=True, attention_bias=True)
 

@@ -22,7 +22,8 @@ from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
 from quantkit.quant.int4 import pack_int4, quantize_rtn
 
-__all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "wrap_multimodal", "FP8_ROLES"]
+__all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "wrap_multimodal", "FP8_ROLES",
+           "KIMI_PROCESSOR_FILES", "write_kimi_processor_files"]
 
 FAMILIES = tuple(arch_families)
 # Roles a DeepSeek/GLM FP8 release stores as FP8 blocks (embeddings, lm_head, norms, routers, indexer: not).
@@ -47,7 +48,7 @@ def tiny_config(family: str, size: str = "tiny", **overrides: Any) -> dict[str, 
                               num_hidden_layers=layers, n_routed_experts=experts, num_attention_heads=heads,
                               vocab_size=vocab)
     record = arch_families[family]
-    kw.update(record.synth(hidden, heads))
+    kw.update(record.synth(hidden, heads, overrides))
     kw.update(overrides)
     config = AutoConfig.for_model(family, **kw).to_dict()
     config["architectures"] = [record.architecture]
@@ -149,10 +150,32 @@ def make_checkpoint(
     return out
 
 
+# The image processor a Kimi K2.5 / K2.6 release carries beside its weights (moonshotai/Kimi-K2.5):
+# preprocessor_config.json, whose `media_proc_cfg` vLLM's and SGLang's Kimi processors read while they build
+# the model, and the remote code its `auto_map` names (placeholders here: carried over, never executed).
+KIMI_MEDIA_PROC_CFG: dict[str, int | list[float] | None] = {
+    "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
+    "fixed_output_tokens": None, "temporal_merge_kernel_size": 4, "in_patch_limit_each_frame": 4096,
+    "in_patch_limit_video": None, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+}
+KIMI_PROCESSOR_CODE = ("kimi_k25_processor.py", "kimi_k25_vision_processing.py", "media_utils.py")
+KIMI_PROCESSOR_FILES = ("preprocessor_config.json", *KIMI_PROCESSOR_CODE)
+
+
+def write_kimi_processor_files(dst: Path) -> None:
+    """Write `KIMI_PROCESSOR_FILES` into the checkpoint folder `dst`."""
+    auto_map = {"AutoProcessor": "kimi_k25_processor.KimiK25Processor",
+                "AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"}
+    _dump(dst / "preprocessor_config.json", {"auto_map": auto_map, "media_proc_cfg": KIMI_MEDIA_PROC_CFG})
+    for name in KIMI_PROCESSOR_CODE:
+        (dst / name).write_text(f'"""Stands in for the release\'s remote code {name} (carried over, never run)."""\n')
+
+
 def wrap_multimodal(src: str | Path, dst: str | Path, wrapper: str = "kimi_k25", vision_tensor: bool = True) -> Path:
     """Copy checkpoint `src` into `dst` as a multimodal release (e.g. Kimi K2.5/K2.6's `kimi_k25`): every tensor
     under the wrapper's prefix, the text config under `text_config`, a tiny `vision_config` (the bundled
-    Kimi K2.6 one, scaled down) and, with `vision_tensor`, one vision-tower tensor that must pass through."""
+    Kimi K2.6 one, scaled down), the release's image-processor files and, with `vision_tensor`, one
+    vision-tower tensor that must pass through."""
     import shutil
 
     from safetensors.torch import load_file
@@ -182,6 +205,7 @@ def wrap_multimodal(src: str | Path, dst: str | Path, wrapper: str = "kimi_k25",
     if qc is not None:
         config["quantization_config"] = qc
     _dump(dst / "config.json", config)
+    write_kimi_processor_files(dst)
     return dst
 
 

@@ -82,7 +82,7 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         _print_bench(rows)
 
 
-def _print_sim(result: dict) -> None:
+def _print_sim(result: dict[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -96,7 +96,7 @@ def _print_sim(result: dict) -> None:
     Console().print(table)
 
 
-def _print_bench(rows: list[dict]) -> None:
+def _print_bench(rows: list[dict[str, object]]) -> None:
     from rich.console import Console
     from rich.table import Table
 

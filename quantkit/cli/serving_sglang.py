@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 from quantkit.core.errors import QuantkitError
-from quantkit.serving.integrity.campaign import FAULT_KINDS, CampaignConfig, CampaignResult
+from quantkit.serving.integrity.campaign import (
+    _COUNTS,
+    FAULT_KINDS,
+    ORDERINGS,
+    CampaignConfig,
+    CampaignResult,
+    merge_results,
+)
 
 __all__ = ["SGLANG_KEYS", "simulate_sglang", "summarise"]
 
-SGLANG_KEYS = ("sglang_version", "steps", "injected", "detected", "false_positives", "wrong_data_served")
-REUSE_MODES = ("immediate", "staged")
+SGLANG_KEYS = ("sglang_version", "steps", "injected", "detected", "false_positives", "wrong_data_served",
+               "wrong_tokens_streamed")  # fmt: skip
+REUSE_MODES: tuple[Literal["immediate", "staged"], ...] = ("immediate", "staged")
 
 
-def summarise(runs: list[CampaignResult]) -> dict:
+def summarise(runs: list[CampaignResult]) -> dict[str, object]:
     """Totals over runs, the per-fault-kind table and each run's figures."""
-    total: dict = {"sglang_version": runs[0].sglang_version if runs else ""}
-    for key in ("steps", "injected", "detected", "false_positives", "wrong_data_served", "prefill_exposed",
-                "check_aborts", "finished", "retracted", "client_aborts"):
+    total: dict[str, object] = {"sglang_version": runs[0].sglang_version if runs else ""}
+    for key in _COUNTS:
         total[key] = sum(getattr(r, key) for r in runs)
     total["by_kind"] = {k: {"injected": sum(r.by_kind[k]["injected"] for r in runs),
                             "detected": sum(r.by_kind[k]["detected"] for r in runs)} for k in FAULT_KINDS}  # fmt: skip
@@ -36,8 +44,12 @@ def simulate_sglang(steps: int, seed: int, fault_rate: float, page_sizes: list[i
     load_plugin()
     configs = [(ps, reuse) for ps in page_sizes for reuse in REUSE_MODES]
     share = -(-steps // len(configs))
-    runs = [run_campaign(CampaignConfig(steps=share, seed=seed + i, page_size=ps, reuse=reuse, fault_rate=fault_rate),
-                         version) for i, (ps, reuse) in enumerate(configs)]  # fmt: skip
+    runs = []
+    for i, (ps, reuse) in enumerate(configs):  # each (page size, reuse) run: half its steps in each ordering
+        parts = [run_campaign(CampaignConfig(steps=n, seed=seed + i, page_size=ps, reuse=reuse, ordering=order,
+                                             fault_rate=fault_rate), version)
+                 for order, n in zip(ORDERINGS, (share // 2, share - share // 2), strict=True) if n]  # fmt: skip
+        runs.append(merge_results(parts))
     result = summarise(runs)
     if as_json:
         print(json.dumps(result))
@@ -45,7 +57,7 @@ def simulate_sglang(steps: int, seed: int, fault_rate: float, page_sizes: list[i
     _print(result)
 
 
-def _print(result: dict) -> None:
+def _print(result: dict[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -57,6 +69,7 @@ def _print(result: dict) -> None:
         table.add_row(kind, str(row["injected"]), str(row["detected"]))
     table.add_row("all", str(result["injected"]), str(result["detected"]))
     console.print(table)
-    for key in ("steps", "false_positives", "wrong_data_served", "prefill_exposed", "check_aborts", "finished",
-                "retracted", "client_aborts"):
+    for key in _COUNTS:
+        if key in ("injected", "detected"):
+            continue
         console.print(f"{key}: {result[key]}")

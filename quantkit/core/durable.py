@@ -18,14 +18,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONValue
 from quantkit.core.paths import open_write, refuse_link, replace, safe_mkdir
 
 __all__ = [
-    "JSONValue", "NO_SPACE_ERRNOS", "RunLock", "fsync_dir", "fsync_file", "fsync_tree", "is_no_space", "no_space_error",
+    "NO_SPACE_ERRNOS", "RunLock", "fsync_dir", "fsync_file", "fsync_tree", "is_no_space", "no_space_error",
     "tree_bytes", "write_json_atomic", "write_text_atomic",
 ]
 
-JSONValue = dict[str, object] | list[object] | str | int | float | bool | None
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -7,13 +7,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["Endpoint", "open_endpoint"]
-
-JSON = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -25,7 +23,7 @@ class Endpoint:
     timeout: float = 600.0
     retries: int = 3
 
-    def post(self, path: str, payload: JSON) -> JSON:
+    def post(self, path: str, payload: JSONObject) -> JSONObject:
         """POST `payload` (model filled in) to `path` under /v1 (or from the root if it starts with "/");
         retries transient failures (5xx, connection)."""
         target = f"{self.url}{path}" if path.startswith("/") else f"{self.url}/v1/{path}"

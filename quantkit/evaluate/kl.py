@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.evaluate.client import Endpoint
 
 __all__ = ["Api", "fetch_logprobs", "position_kl", "score_document", "DocScore"]
@@ -30,7 +31,7 @@ TopK = dict[str, float]
 EPS = 1e-12
 
 
-def fetch_logprobs(ep: Endpoint, text: str, k: int, api: Api = "openai") -> dict[str, Any]:
+def fetch_logprobs(ep: Endpoint, text: str, k: int, api: Api = "openai") -> JSONObject:
     """{"tokens": [str], "top": [TopK | None]} for the prompt positions of `text` (position 0 has no
     distribution). Each TopK holds the top-k tokens and the actual token."""
     if api == "sglang":
@@ -53,7 +54,7 @@ def fetch_logprobs(ep: Endpoint, text: str, k: int, api: Api = "openai") -> dict
     return {"tokens": [str(t) for t in tokens[:n]], "top": top}
 
 
-def _fetch_sglang(ep: Endpoint, text: str, k: int) -> dict[str, Any]:
+def _fetch_sglang(ep: Endpoint, text: str, k: int) -> JSONObject:
     url = ep.url
     resp = ep.post("/generate", {"text": text, "return_logprob": True, "logprob_start_len": 0,
                                        "top_logprobs_num": k, "sampling_params": {"max_new_tokens": 1,
@@ -95,7 +96,7 @@ class DocScore:
     nll_candidate: float
 
 
-def score_document(base: dict[str, Any], cand: dict[str, Any], doc: str) -> DocScore:
+def score_document(base: JSONObject, cand: JSONObject, doc: str) -> DocScore:
     """Paired per-position scores of one document (both sides must have tokenized it identically)."""
     if base["tokens"] != cand["tokens"]:
         raise QuantkitError(f"kl: document {doc} tokenizes differently on the two servers "

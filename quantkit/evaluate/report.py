@@ -4,18 +4,19 @@ checkpoint's quantkit.json["eval"] is `quantkit.hub.refresh.record_eval` (the ca
 from __future__ import annotations
 
 import html
-from typing import Any
+
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["rows", "format_text", "markdown", "html_section"]
 
 HEADER = ["task", "metric", "items", "candidate", "baseline", "diff [95% CI]", "limit", "verdict", "time"]
 
 
-def _f(v: Any, spec: str = ".2f") -> str:
+def _f(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def rows(result: dict[str, Any]) -> list[list[str]]:
+def rows(result: JSONObject) -> list[list[str]]:
     """One row per (task, metric): the shared content of every rendering."""
     out = []
     for task, res in result["tasks"].items():
@@ -39,7 +40,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     return out
 
 
-def format_text(result: dict[str, Any]) -> str:
+def format_text(result: JSONObject) -> str:
     table = [HEADER, *rows(result)]
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
     lines = [f"candidate {result['candidate']['url']} ({result['candidate']['model']})"]
@@ -50,7 +51,7 @@ def format_text(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: JSONObject) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(result)]
     base = result.get("baseline") or {}
@@ -60,7 +61,7 @@ def markdown(result: dict[str, Any]) -> str:
     return head + "\n\n" + "\n".join(lines)
 
 
-def html_section(result: dict[str, Any]) -> str:
+def html_section(result: JSONObject) -> str:
     cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows(result))
     head = "<tr>" + "".join(f"<th>{h}</th>" for h in HEADER) + "</tr>"
     return (f"<h2 id='eval'>Served evaluation: {html.escape(result['verdict'])}</h2>"

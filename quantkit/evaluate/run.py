@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.evaluate import kl as kl_task
 from quantkit.evaluate import toolcall
 from quantkit.evaluate.client import Endpoint
@@ -54,17 +55,19 @@ def state_dir(root: Path, candidate: Endpoint, baseline: Endpoint | None) -> Pat
     return root / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+Item = TypeVar("Item")  # what one question is: a document (KL) or a tool-call item
+
 def _sides(cfg: EvalConfig) -> Iterator[tuple[str, Endpoint]]:
     yield "candidate", cfg.candidate
     if cfg.baseline is not None:
         yield "baseline", cfg.baseline
 
 
-def _answer_all(store: AnswerStore, task: str, ep: Endpoint, side: str, items: list[tuple[str, Any]],
-                ask: Callable[[Endpoint, Any], dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+def _answer_all(store: AnswerStore, task: str, ep: Endpoint, side: str, items: list[tuple[str, Item]],
+                ask: Callable[[Endpoint, Item], JSONObject], concurrency: int) -> list[JSONObject]:
     """Answers for every item, from the store where present, else asked (concurrently) and stored at once."""
     progress = Progress(f"{task} {side}", len(items))
-    answers: dict[str, dict[str, Any]] = {}
+    answers: dict[str, JSONObject] = {}
     todo = []
     for key, item in items:
         got = store.get(task, side, key)
@@ -81,7 +84,7 @@ def _answer_all(store: AnswerStore, task: str, ep: Endpoint, side: str, items: l
     return [answers[k] for k, _ in items]
 
 
-def _kl(cfg: EvalConfig, store: AnswerStore) -> dict[str, Any]:
+def _kl(cfg: EvalConfig, store: AnswerStore) -> JSONObject:
     from quantkit.calibrate.data import load_records, render
 
     if cfg.baseline is None:
@@ -105,7 +108,7 @@ def _kl(cfg: EvalConfig, store: AnswerStore) -> dict[str, Any]:
             "verdict": "pass" if ok else "fail"}
 
 
-def _toolcall(cfg: EvalConfig, store: AnswerStore) -> dict[str, Any]:
+def _toolcall(cfg: EvalConfig, store: AnswerStore) -> JSONObject:
     items = [(it["id"], it) for it in toolcall.load_items(cfg.toolcall_items)][: cfg.limit]
     ask = lambda e, it: toolcall.ask(e, it, cfg.tool_choice, cfg.tool_max_tokens)  # noqa: E731
     scored = {side: [toolcall.score(it, a) for (_, it), a in
@@ -118,7 +121,7 @@ def _toolcall(cfg: EvalConfig, store: AnswerStore) -> dict[str, Any]:
             "verdict": _worst(c.verdict for c in comps)}
 
 
-def _lm_eval(cfg: EvalConfig, task: str, work: Path) -> dict[str, Any]:
+def _lm_eval(cfg: EvalConfig, task: str, work: Path) -> JSONObject:
     opts = cfg.lm_eval
     with ThreadPoolExecutor(max_workers=2) as pool:  # both sides at once: one lm-eval process per server
         futures = {side: pool.submit(run_task, ep, task, opts, work / task / side, work / f"lm_eval-{task}-{side}.log")
@@ -137,11 +140,11 @@ def _worst(verdicts: Iterable[str]) -> str:
     return next((v for v in ("fail", "inconclusive", "unpaired") if v in vs), "pass")
 
 
-def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+def run_eval(cfg: EvalConfig) -> JSONObject:
     """Run every task (resuming from `cfg.state`); the result record (also written to state/result.json)."""
     work = state_dir(cfg.state, cfg.candidate, cfg.baseline)
     store = AnswerStore(work / "answers.jsonl")
-    tasks: dict[str, Any] = {}
+    tasks: JSONObject = {}
     try:
         for task in cfg.tasks:
             cfg.log(f"task {task} ...")

@@ -12,7 +12,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
+
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["AnswerStore", "Progress"]
 
@@ -21,7 +23,7 @@ class AnswerStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._done: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._done: dict[tuple[str, str, str], JSONObject] = {}
         if path.exists():
             for line in path.read_text(encoding="utf-8").splitlines():
                 try:
@@ -31,10 +33,10 @@ class AnswerStore:
                 self._done[(rec["task"], rec["side"], str(rec["id"]))] = rec["answer"]
         self._fh = path.open("a", encoding="utf-8")
 
-    def get(self, task: str, side: str, item: str) -> dict[str, Any] | None:
+    def get(self, task: str, side: str, item: str) -> JSONObject | None:
         return self._done.get((task, side, item))
 
-    def put(self, task: str, side: str, item: str, answer: dict[str, Any]) -> None:
+    def put(self, task: str, side: str, item: str, answer: JSONObject) -> None:
         self._done[(task, side, item)] = answer
         self._fh.write(json.dumps({"task": task, "side": side, "id": item, "answer": answer}) + "\n")
         self._fh.flush()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSON, JSONObject
 from quantkit.evaluate.client import Endpoint
 
 __all__ = ["ToolChoice", "load_items", "ask", "score"]
@@ -21,7 +22,7 @@ ToolChoice = Literal["auto", "required"]
 METRICS = ("called", "valid", "match")
 
 
-def load_items(path: Path) -> list[dict[str, Any]]:
+def load_items(path: Path) -> list[JSONObject]:
     items = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -35,7 +36,7 @@ def load_items(path: Path) -> list[dict[str, Any]]:
     return items
 
 
-def ask(ep: Endpoint, item: dict[str, Any], tool_choice: ToolChoice, max_tokens: int) -> dict[str, Any]:
+def ask(ep: Endpoint, item: JSONObject, tool_choice: ToolChoice, max_tokens: int) -> JSONObject:
     """The server's answer, reduced to what scoring needs: [{"name", "arguments" (raw string)}] and text."""
     resp = ep.post("chat/completions", {"messages": item["messages"], "tools": item["tools"],
                                         "tool_choice": tool_choice, "temperature": 0.0, "max_tokens": max_tokens})
@@ -45,7 +46,7 @@ def ask(ep: Endpoint, item: dict[str, Any], tool_choice: ToolChoice, max_tokens:
     return {"calls": calls, "content": msg.get("content")}
 
 
-def score(item: dict[str, Any], answer: dict[str, Any]) -> dict[str, float]:
+def score(item: JSONObject, answer: JSONObject) -> dict[str, float]:
     import jsonschema
 
     calls = answer.get("calls") or []
@@ -67,7 +68,7 @@ def score(item: dict[str, Any], answer: dict[str, Any]) -> dict[str, float]:
     return {"called": float(called), "valid": float(valid), "match": float(match)}
 
 
-def _arguments(raw: Any) -> dict[str, Any] | None:
+def _arguments(raw: JSON) -> JSONObject | None:
     if isinstance(raw, dict):
         return raw
     try:
@@ -77,7 +78,7 @@ def _arguments(raw: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _same(got: Any, want: Any) -> bool:
+def _same(got: JSON, want: JSON) -> bool:
     if isinstance(want, str):
         return isinstance(got, str) and got.strip().lower() == want.strip().lower()
     if isinstance(want, (int, float)) and not isinstance(want, bool):

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["ORIGIN_FILE", "read_origin"]
 
 ORIGIN_FILE = ".quantkit-hub.json"  # hidden: never carried over, never in the manifest
 
 
-def read_origin(directory: Path) -> dict[str, Any] | None:
+def read_origin(directory: Path) -> JSONObject | None:
     """{repo_id, revision, commit} of a directory `quantkit pull` made, else None."""
     try:
         value = json.loads((directory / ORIGIN_FILE).read_text(encoding="utf-8"))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSON, JSONObject
 from quantkit.core.paths import open_write, refuse_link, replace
 from quantkit.engines.verdicts import ENGINES
 from quantkit.hub.card_sections import NOT_RECORDED, precision_section, serving_section
@@ -91,7 +91,7 @@ def render_card(directory: Path, repo_id: str | None = None, base_model: str | N
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
-def _load_json(path: Path) -> dict[str, Any]:
+def _load_json(path: Path) -> JSONObject:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -103,11 +103,11 @@ def _load_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _load_json_optional(path: Path) -> dict[str, Any] | None:
+def _load_json_optional(path: Path) -> JSONObject | None:
     return _load_json(path) if path.exists() else None
 
 
-def _source_readme(path: Path) -> tuple[dict[str, Any], str]:
+def _source_readme(path: Path) -> tuple[JSONObject, str]:
     """(front matter, body) of the source's README; empty when there is none."""
     if not path.exists():
         return {}, ""
@@ -124,7 +124,7 @@ def _source_readme(path: Path) -> tuple[dict[str, Any], str]:
     return {}, text
 
 
-def _hub_id(value: Any) -> str | None:
+def _hub_id(value: JSON) -> str | None:
     """A hub repo id from a front-matter value (a string or the first of a list), else None."""
     if isinstance(value, list):
         value = value[0] if value else None
@@ -134,10 +134,10 @@ def _hub_id(value: Any) -> str | None:
 
 
 # ---- front matter ---------------------------------------------------------------------------------
-def _front_matter(record: dict[str, Any], config: dict[str, Any], source_meta: dict[str, Any],
-                  base: str | None) -> dict[str, Any]:
+def _front_matter(record: JSONObject, config: JSONObject, source_meta: JSONObject,
+                  base: str | None) -> JSONObject:
     family = str(config.get("model_type") or record.get("recipe", {}).get("architecture") or "moe")
-    front: dict[str, Any] = {}
+    front: JSONObject = {}
     if base:
         front["base_model"] = base
         front["base_model_relation"] = "quantized"
@@ -153,7 +153,7 @@ def _front_matter(record: dict[str, Any], config: dict[str, Any], source_meta: d
 
 
 # ---- sections -------------------------------------------------------------------------------------
-def _intro(record: dict[str, Any], base: str | None) -> str:
+def _intro(record: JSONObject, base: str | None) -> str:
     of = f"[{base}](https://huggingface.co/{base})" if base else f"`{record.get('source', {}).get('name', '?')}`"
     version = record.get("tool_versions", {}).get("quantkit", "?")
     what = _SCHEME_TEXT.get(str(record.get("recipe", {}).get("scheme", "w4a16")), _SCHEME_TEXT["w4a16"])
@@ -171,7 +171,7 @@ _SCHEME_TEXT = {
 }
 
 
-def _weight_scheme(config: dict[str, Any]) -> str:
+def _weight_scheme(config: JSONObject) -> str:
     from quantkit.engines.verdicts import scheme_of_config
 
     return scheme_of_config(config.get("quantization_config") or {})
@@ -181,7 +181,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
 
 
-def _scheme(record: dict[str, Any], config: dict[str, Any]) -> str:
+def _scheme(record: JSONObject, config: JSONObject) -> str:
     recipe = record.get("recipe", {})
     weights = {}
     for group in (config.get("quantization_config", {}).get("config_groups") or {}).values():
@@ -201,7 +201,7 @@ def _scheme(record: dict[str, Any], config: dict[str, Any]) -> str:
     return "## Quantization scheme\n\n" + _table(["", ""], rows)
 
 
-def _accounting(record: dict[str, Any], config: dict[str, Any]) -> str:
+def _accounting(record: JSONObject, config: JSONObject) -> str:
     counts: dict[tuple[str, str], int] = {}
     for entry in record.get("tensors", {}).values():
         if entry.get("action") == "absorbed":
@@ -221,7 +221,7 @@ def _accounting(record: dict[str, Any], config: dict[str, Any]) -> str:
             + f"\n\nIgnore list (`quantization_config.ignore`, {len(ignore)} entries):\n\n```\n{ignore_text}\n```")
 
 
-def _sizes(record: dict[str, Any]) -> str:
+def _sizes(record: JSONObject) -> str:
     src, out = record.get("source", {}), record.get("output", {})
     sb, ob = int(src.get("bytes", 0)), int(out.get("bytes", 0))
     ratio = f"{ob / sb:.1%}" if sb else "?"
@@ -232,7 +232,7 @@ def _sizes(record: dict[str, Any]) -> str:
     return "## Sizes\n\n" + _table(["", "format", "shards", "bytes"], rows)
 
 
-def _plan_table(directory: Path, config: dict[str, Any]) -> str:
+def _plan_table(directory: Path, config: JSONObject) -> str:
     from quantkit.arch import get_adapter
     from quantkit.plan.catalog import get_gpu
     from quantkit.plan.inventory import read_shard_headers
@@ -262,7 +262,7 @@ def _plan_table(directory: Path, config: dict[str, Any]) -> str:
                       "decode tok/s (batch 1)"], rows))
 
 
-def _kv_section(config: dict[str, Any], kv_report: dict[str, Any] | None, record: dict[str, Any]) -> str:
+def _kv_section(config: JSONObject, kv_report: JSONObject | None, record: JSONObject) -> str:
     scheme = config.get("quantization_config", {}).get("kv_cache_scheme")
     lines = ["## KV cache"]
     if scheme:
@@ -297,7 +297,7 @@ def _dataset_fingerprint(dataset: str) -> str:
     return "sha256 " + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _calibration(coverage: dict[str, Any] | None, record: dict[str, Any]) -> str:
+def _calibration(coverage: JSONObject | None, record: JSONObject) -> str:
     if not coverage:
         method = record.get("recipe", {}).get("method", "rtn")
         return f"## Calibration\n\nNone: {method.upper()} quantization needs no data."
@@ -327,7 +327,7 @@ def _calibration(coverage: dict[str, Any] | None, record: dict[str, Any]) -> str
     return "\n\n".join(lines)
 
 
-def _quality(record: dict[str, Any]) -> str:
+def _quality(record: JSONObject) -> str:
     quality = record.get("eval")
     if not quality:
         return "## Quality\n\nNot measured for this checkpoint (`quantkit eval MODEL --reference SOURCE`)."
@@ -338,7 +338,7 @@ def _quality(record: dict[str, Any]) -> str:
     return "## Quality\n\n```json\n" + json.dumps(quality, indent=2, sort_keys=True) + "\n```"
 
 
-def _provenance(record: dict[str, Any], hub: dict[str, Any]) -> str:
+def _provenance(record: JSONObject, hub: JSONObject) -> str:
     src = record.get("source", {})
     rows = [["source", f"`{src.get('name', '?')}` ({src.get('format', '?')})"],
             ["source fingerprint", f"`{src.get('fingerprint', '?')}` (config + shard headers)"]]

@@ -3,8 +3,7 @@ commands, the SGLang prefill/decode pair and the plugin split recorded in quantk
 
 from __future__ import annotations
 
-from typing import Any
-
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.verdicts import ENGINES
 
 __all__ = ["NOT_RECORDED", "precision_section", "serving_section", "table"]
@@ -12,13 +11,13 @@ __all__ = ["NOT_RECORDED", "precision_section", "serving_section", "table"]
 NOT_RECORDED = "engine verdicts: not recorded (run quantkit validate --engine all)"
 
 
-def table(header: list[str], rows: list[list[Any]]) -> str:
+def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def serving_section(serving: dict[str, Any] | None, model_ref: str) -> str:
+def serving_section(serving: JSONObject | None, model_ref: str) -> str:
     """Per engine: verdict, arguments, KV use, launch lines, and the SGLang PD pair / plugin split."""
     if not serving:
         return f"## Serving\n\n{NOT_RECORDED.capitalize()}."
@@ -48,7 +47,7 @@ def serving_section(serving: dict[str, Any] | None, model_ref: str) -> str:
     return "\n\n".join(parts)
 
 
-def _pd_pair(pd: dict[str, Any], model_ref: str, split: bool = False) -> str:
+def _pd_pair(pd: JSONObject, model_ref: str, split: bool = False) -> str:
     """The prefill/decode pair SGLang accepts (quantkit/engines/pd.py): three commands and what they store."""
     def env(side: str) -> str:
         return "".join(f"{k}={v} " for k, v in (pd[side].get("env") or {}).items())
@@ -71,21 +70,21 @@ _KINDS = (("experts", "routed experts"), ("shared_experts", "shared experts"), (
           ("mlp", "dense MLP"))
 
 
-def precision_section(precision: dict[str, Any] | None) -> str:
+def precision_section(precision: JSONObject | None) -> str:
     """A per-unit (mixed) checkpoint: each layer's format per unit, and the bytes per format (quantkit.json
     `precision`); empty for a uniform checkpoint."""
     if not precision or not precision.get("units"):
         return ""
     units = precision["units"]
     kinds = [(k, label) for k, label in _KINDS if any(u["kind"] == k for u in units)]
-    by_layer: dict[int, dict[str, dict[str, Any]]] = {}
+    by_layer: dict[int, dict[str, JSONObject]] = {}
     for u in units:
         by_layer.setdefault(int(u["layer"]), {})[u["kind"]] = u
     kl = any("predicted_kl" in u for u in units)
     rows = []
     for layer, row in sorted(by_layer.items()):
         mtp = any(u.get("mtp") for u in row.values())
-        cells: list[Any] = [f"{layer}{' (MTP)' if mtp else ''}"]
+        cells: list[object] = [f"{layer}{' (MTP)' if mtp else ''}"]
         cells += [row[k]["label"] if k in row else "" for k, _ in kinds]
         if kl:
             cells.append(f"{sum(u.get('predicted_kl', 0.0) for u in row.values()):.3g}")

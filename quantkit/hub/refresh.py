@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from quantkit.checkpoint.manifest import MANIFEST_NAME, update_manifest
 from quantkit.core.durable import write_json_atomic
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.hub.card import CARD_NAME, is_generated_card, write_card
 
 __all__ = ["record_eval", "refresh_outputs"]
@@ -25,7 +25,7 @@ def refresh_outputs(directory: Path, changed: list[str]) -> None:
         update_manifest(directory, files)
 
 
-def record_eval(directory: Path, result: dict[str, Any]) -> Path:
+def record_eval(directory: Path, result: JSONObject) -> Path:
     """Store `result` as quantkit.json["eval"] in checkpoint `directory` (atomic rewrite of the manifest), then
     regenerate a quantkit-written card and re-hash SHA256SUMS, so `verify` and `push` carry the result."""
     manifest = directory / "quantkit.json"

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSON
 
 __all__ = ["GPU", "get_gpu", "load_catalog"]
 
@@ -49,7 +49,7 @@ class GPU:
         return self.bf16_tflops * 1e12
 
 
-def _parse(data: Any, source: str) -> dict[str, GPU]:
+def _parse(data: JSON, source: str) -> dict[str, GPU]:
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
         raise QuantkitError(f"{source}: expected a mapping with a top-level 'gpus:' mapping")
     out: dict[str, GPU] = {}

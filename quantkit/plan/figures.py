@@ -6,8 +6,7 @@ regenerated whenever a default or the model changes.
 
 from __future__ import annotations
 
-from typing import Any
-
+from quantkit.core.jsontypes import JSONObject
 from quantkit.plan.catalog import GIB, get_gpu
 from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.models import resolve_model
@@ -17,7 +16,7 @@ from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_second
 __all__ = ["figures", "main"]
 
 
-def _row(model: str, weights: str, kv: str, context: int = 32768) -> dict[str, Any]:
+def _row(model: str, weights: str, kv: str, context: int = 32768) -> JSONObject:
     dep = Deployment(get_gpu("h200"), tp=8, context=context)
     return plan_one(resolve_model(model), dep, PrecisionPlan(weights), kv)
 

@@ -10,9 +10,13 @@ import base64
 import html
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from quantkit.core.jsontypes import JSONObject
 from quantkit.plan.catalog import GIB
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["render_html", "write_html"]
 
@@ -23,7 +27,7 @@ _STACK = [
 ]
 
 
-def _png(fig: Any) -> str:
+def _png(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     import matplotlib.pyplot as plt
@@ -39,7 +43,7 @@ def _unit(largest: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def _labels(rows: list[dict[str, Any]]) -> list[str]:
+def _labels(rows: list[JSONObject]) -> list[str]:
     return [
         ("stored " if r["assumptions"]["tensors_from"] == "shard headers" else "")
         + f"{r['weights']}\nKV {r['kv']}"
@@ -47,7 +51,7 @@ def _labels(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _bytes_by_role(report: dict[str, Any]) -> str:
+def _bytes_by_role(report: JSONObject) -> str:
     import matplotlib.pyplot as plt
 
     roles = list(report["by_role"])
@@ -70,7 +74,7 @@ def _bytes_by_role(report: dict[str, Any]) -> str:
     return _png(fig)
 
 
-def _memory_stacks(rows: list[dict[str, Any]]) -> str:
+def _memory_stacks(rows: list[JSONObject]) -> str:
     import matplotlib.pyplot as plt
 
     xs = list(range(len(rows)))
@@ -105,7 +109,7 @@ def _memory_stacks(rows: list[dict[str, Any]]) -> str:
     return _png(fig)
 
 
-def _kv_and_requests(rows: list[dict[str, Any]]) -> str:
+def _kv_and_requests(rows: list[JSONObject]) -> str:
     import matplotlib.pyplot as plt
 
     xs = list(range(len(rows)))
@@ -121,7 +125,7 @@ def _kv_and_requests(rows: list[dict[str, Any]]) -> str:
     return _png(fig)
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def _table(headers: list[str], rows: list[list[object]]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
@@ -133,7 +137,7 @@ def _g(n: float) -> str:
     return gib_gb(n)
 
 
-def render_html(report: dict[str, Any]) -> str:
+def render_html(report: JSONObject) -> str:
     """The page as a string."""
     disk = report["disk"]
     plans = report["per_gpu"] + report["plans"]
@@ -205,7 +209,7 @@ def render_html(report: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def _eval_section(report: dict[str, Any]) -> str:
+def _eval_section(report: JSONObject) -> str:
     """The served evaluation recorded in quantkit.json (`quantkit eval --endpoint ... --record`), if any."""
     result = (report.get("manifest") or {}).get("eval")
     if not result or "tasks" not in result:
@@ -215,7 +219,7 @@ def _eval_section(report: dict[str, Any]) -> str:
     return html_section(result)
 
 
-def write_html(report: dict[str, Any], path: Path) -> None:
+def write_html(report: JSONObject, path: Path) -> None:
     """Render with matplotlib's Agg backend and write the page."""
     import matplotlib
 

@@ -15,11 +15,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from quantkit.arch import Role, TensorSpec, get_adapter
 from quantkit.checkpoint.safetensors_header import read_header
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = [
     "WEIGHT_PLANS",
@@ -85,7 +86,7 @@ class SizedTensor:
         return self.nbytes // self.count
 
 
-def native_plan(config: dict[str, Any]) -> PrecisionPlan:
+def native_plan(config: JSONObject) -> PrecisionPlan:
     """The plan a release ships in, read from its `quantization_config` (none = BF16)."""
     qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not qc:
@@ -178,7 +179,14 @@ def size_collapsed(groups: Iterable[tuple[TensorSpec, int]], plan: PrecisionPlan
     return out
 
 
-def totals_by(tensors: Iterable[Any], key: str) -> dict[str, int]:
+class _HasBytes(Protocol):
+    """A sized tensor or a header tensor: `nbytes` and the attribute `totals_by` groups on."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+def totals_by(tensors: Iterable[_HasBytes], key: str) -> dict[str, int]:
     """Sum of `nbytes` grouped by an attribute (`role`, `fmt`, `dtype`); enum values are unwrapped."""
     sums: dict[str, int] = defaultdict(int)
     for t in tensors:
@@ -241,7 +249,7 @@ _GROUPS: dict[str, list[tuple[TensorSpec, int]]] = {}
 _CACHE: dict[tuple[str, PrecisionPlan], list[SizedTensor]] = {}
 
 
-def size_model(config: dict[str, Any], plan: PrecisionPlan) -> list[SizedTensor]:
+def size_model(config: JSONObject, plan: PrecisionPlan) -> list[SizedTensor]:
     """`size_inventory` of a config's adapter inventory, memoised per config and plan."""
     key = json.dumps(config, sort_keys=True)
     if key not in _GROUPS:

@@ -12,9 +12,9 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from quantkit.arch import Adapter, Role
+from quantkit.core.jsontypes import JSONObject
 from quantkit.plan.catalog import GIB, GPU
 from quantkit.plan.inventory import SizedTensor
 from quantkit.plan.kv import kv_bytes_per_token_per_gpu
@@ -46,7 +46,7 @@ class Assumptions:
     speculative: bool = False  # size the MTP draft layer (weights + its KV pool) for speculative decoding
     shared_indexer: bool = False  # IndexShare models keep indexer caches only on 'full' layers
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return asdict(self)
 
 
@@ -112,14 +112,14 @@ def max_concurrent_requests(capacity_tokens: int, context: int, page_size: int, 
     return max(0, (capacity_tokens - headroom_tokens) // per_request)
 
 
-def has_vision(config: dict[str, Any]) -> bool:
+def has_vision(config: JSONObject) -> bool:
     return isinstance(config.get("vision_config"), dict)
 
 
 def plan_memory(
     tensors: list[SizedTensor],
     adapter: Adapter,
-    config: dict[str, Any],
+    config: JSONObject,
     gpu: GPU,
     tp: int,
     kv: str,

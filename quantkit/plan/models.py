@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["BUNDLED", "ModelSource", "bundled_names", "load_config", "resolve_model"]
 
@@ -43,7 +43,7 @@ class ModelSource:
     """A resolved model: its config, a display name, and the checkpoint directory if there is one."""
 
     name: str
-    config: dict[str, Any]
+    config: JSONObject
     checkpoint_dir: Path | None = None
     note: str = ""
 
@@ -53,7 +53,7 @@ def bundled_names() -> list[str]:
     return sorted(BUNDLED)
 
 
-def load_config(path: Path) -> dict[str, Any]:
+def load_config(path: Path) -> JSONObject:
     """Read a config.json, turning I/O and JSON errors into one-line user errors."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

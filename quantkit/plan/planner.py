@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from quantkit.arch import get_adapter
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.plan.catalog import GIB, GPU
 from quantkit.plan.inventory import (
     PrecisionPlan,
@@ -55,7 +55,7 @@ class Deployment:
             raise QuantkitError(f"--mem-fraction {self.assumptions.mem_fraction}: expected 0 < f <= 1")
 
 
-def resolve_plan(config: dict[str, Any], weights: str, group_size: int) -> PrecisionPlan:
+def resolve_plan(config: JSONObject, weights: str, group_size: int) -> PrecisionPlan:
     """`native` -> the release's own plan; otherwise the named one."""
     if weights == "native":
         return native_plan(config)
@@ -66,7 +66,7 @@ def resolve_plan(config: dict[str, Any], weights: str, group_size: int) -> Preci
     return PrecisionPlan(weights, group_size)
 
 
-def _assumption_table(source: ModelSource, dep: Deployment, tensors_from: str) -> dict[str, Any]:
+def _assumption_table(source: ModelSource, dep: Deployment, tensors_from: str) -> JSONObject:
     a = dep.assumptions.to_dict()
     dfit, pfit = fit_decode(), fit_prefill()
     a.update(
@@ -102,7 +102,7 @@ def plan_one(
     kv: str,
     tensors: list[SizedTensor] | None = None,
     tensors_from: str = "config.json inventory",
-) -> dict[str, Any]:
+) -> JSONObject:
     """Everything `quantkit plan` reports for one weights plan and KV dtype (JSON-ready)."""
     if kv not in KV_DTYPES:
         raise QuantkitError(f"--kv {kv!r}: expected one of {', '.join(KV_DTYPES)}")
@@ -157,7 +157,7 @@ def plan_one(
     }
 
 
-def plan_compare(source: ModelSource, dep: Deployment, group_size: int = 32) -> list[dict[str, Any]]:
+def plan_compare(source: ModelSource, dep: Deployment, group_size: int = 32) -> list[JSONObject]:
     """The weights {bf16, fp8, int4} (+ nvfp4 on a GPU with FP4 tensor cores) x KV {bf16, fp8} table."""
     weights = ("bf16", "fp8", "int4") + (("nvfp4",) if dep.gpu.fp4_tflops else ())
     return [plan_one(source, dep, PrecisionPlan(w, group_size), kv) for w in weights for kv in KV_DTYPES]

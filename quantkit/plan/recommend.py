@@ -13,9 +13,8 @@ really applied) come from `quantkit.engines.verdicts`, the same record `convert`
 
 from __future__ import annotations
 
-from typing import Any
-
 from quantkit.arch import KVLayout
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.pd import PDPair, gpu_arch, pd_pair, pd_problems, pd_split
 from quantkit.engines.verdicts import engine_verdicts, facts_from_recipe
 
@@ -24,7 +23,7 @@ __all__ = ["int4_engine_args", "pd_record", "recommend", "sglang_flags"]
 _KV_FLAGS = ("--kv-cache-dtype",)
 
 
-def int4_engine_args(config: dict[str, Any], group_size: int, kv_fp8: bool) -> tuple[list[str], str | None]:
+def int4_engine_args(config: JSONObject, group_size: int, kv_fp8: bool) -> tuple[list[str], str | None]:
     """SGLang's args for quantkit's default INT4 checkpoint of `config` (KV flags left to the planner),
     and a note when FP8 KV would not get calibrated scales in SGLang."""
     from quantkit.quant.recipe import load_recipe
@@ -43,7 +42,7 @@ def int4_engine_args(config: dict[str, Any], group_size: int, kv_fp8: bool) -> t
     return args, note
 
 
-def _best(rows: list[dict[str, Any]], key: str, kv: str | None = None) -> dict[str, Any] | None:
+def _best(rows: list[JSONObject], key: str, kv: str | None = None) -> JSONObject | None:
     candidates = [  # FP4 rows are shown, not recommended: modelled as INT4's bytes (no FP4 kernel measured)
         r for r in rows if r["fits"] and r["max_concurrent_requests"] > 0 and (kv is None or r["kv"] == kv)
         and not r["weights"].endswith("fp4a16")
@@ -51,7 +50,7 @@ def _best(rows: list[dict[str, Any]], key: str, kv: str | None = None) -> dict[s
     return max(candidates, key=lambda r: r[key]) if candidates else None
 
 
-def _deployment_args(row: dict[str, Any], mode: str) -> list[str]:
+def _deployment_args(row: JSONObject, mode: str) -> list[str]:
     """The planner's per-side SGLang args (memory, chunking, context, EP / DP attention, batch cap)."""
     a = row["assumptions"]
     args = ["--mem-fraction-static", str(row["mem_fraction_effective"]), "--chunked-prefill-size",
@@ -77,7 +76,7 @@ def sglang_flags(args: list[str]) -> str:
     return " \\\n    ".join(lines)
 
 
-def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any], group_size: int,
+def pd_record(config: JSONObject, prefill: JSONObject, decode: JSONObject, group_size: int,
               split: bool = False) -> PDPair:
     """The PD pair for the chosen rows: prefill on the FP8 source, decode on quantkit's INT4 output; with `split`,
     the production split through quantkit's SGLang plugin (BF16 KV on the prefill; MLA/DSA models only)."""
@@ -94,11 +93,11 @@ def pd_record(config: dict[str, Any], prefill: dict[str, Any], decode: dict[str,
                    prefill_extra=_deployment_args(prefill, "prefill"), decode_extra=_deployment_args(decode, "decode"))
 
 
-def recommend(rows: list[dict[str, Any]], config: dict[str, Any], group_size: int = 32) -> dict[str, Any]:
+def recommend(rows: list[JSONObject], config: JSONObject, group_size: int = 32) -> JSONObject:
     """Pick the prefill and decode plans from a `plan_compare` table, with launch flags."""
     prefill = _best(rows, "prefill_tok_s", kv="bf16") or _best(rows, "prefill_tok_s")
     decode = _best(rows, "decode_tok_s_at_full_batch")
-    out: dict[str, Any] = {"prefill": None, "decode": None, "pd": None}
+    out: JSONObject = {"prefill": None, "decode": None, "pd": None}
     if not (prefill and decode):
         out["note"] = "no PD pair: a side has no plan that fits"
         return out

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from quantkit.core.jsontypes import JSONObject
 from quantkit.plan.catalog import GIB
 
 __all__ = ["assumptions_text", "compare_text", "gib_gb", "plan_text", "recommend_text"]
@@ -34,7 +33,7 @@ def gib_gb(nbytes: float) -> str:
     return f"{nbytes:,.0f} B"
 
 
-def assumptions_text(a: dict[str, Any]) -> str:
+def assumptions_text(a: JSONObject) -> str:
     """Every assumption with the flag that changes it."""
     lines = ["assumptions (every one is an input; see docs/planner.md):"]
     for key, value in a.items():
@@ -47,7 +46,7 @@ def assumptions_text(a: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plan_text(row: dict[str, Any]) -> str:
+def plan_text(row: JSONObject) -> str:
     """One plan, human-readable."""
     a = row["assumptions"]
     even = row["weights_even_split_bytes"]
@@ -72,7 +71,7 @@ def plan_text(row: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def compare_text(rows: list[dict[str, Any]]) -> str:
+def compare_text(rows: list[JSONObject]) -> str:
     """The weights x KV table."""
     head = (
         f"{'weights':<9} {'kv':<5} {'ckpt GiB':>9} {'W/GPU GiB':>10} {'KV B/tok':>9} {'KV tokens':>11} "
@@ -93,7 +92,7 @@ def compare_text(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def recommend_text(rec: dict[str, Any]) -> str:
+def recommend_text(rec: JSONObject) -> str:
     """The prefill / decode recommendation with launch commands."""
     lines = ["recommendation (PD-disaggregated):"]
     for side in ("prefill", "decode"):

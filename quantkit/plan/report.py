@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 from quantkit.arch import Adapter, get_adapter
 from quantkit.checkpoint.safetensors_header import read_header
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.plan.inventory import (
     HeaderTensor,
     SizedTensor,
@@ -77,7 +77,7 @@ def sized_from_headers(headers: list[HeaderTensor], adapter: Adapter) -> list[Si
     return out
 
 
-def disk_accounting(directory: Path) -> dict[str, Any]:
+def disk_accounting(directory: Path) -> JSONObject:
     """Bytes on disk: shards (header + tensor data, which must add up), index, other files."""
     headers, files = read_shard_headers(directory)
     header_bytes = sum(8 + read_header(directory / name).header_len for name in files)
@@ -98,7 +98,7 @@ def disk_accounting(directory: Path) -> dict[str, Any]:
     }
 
 
-def _index_check(directory: Path, headers: list[HeaderTensor]) -> dict[str, Any]:
+def _index_check(directory: Path, headers: list[HeaderTensor]) -> JSONObject:
     path = directory / "model.safetensors.index.json"
     if not path.is_file():
         return {"present": False}
@@ -112,7 +112,7 @@ def _index_check(directory: Path, headers: list[HeaderTensor]) -> dict[str, Any]
     return {"present": True, "ok": not missing and not stale, "unindexed": missing[:20], "stale": stale[:20]}
 
 
-def _source_sizes(spec: str) -> dict[str, Any]:
+def _source_sizes(spec: str) -> JSONObject:
     """Bytes by role of the source: its shard headers if it is a checkpoint, else its config's plan."""
     source = resolve_model(spec)
     adapter = get_adapter(source.config)
@@ -133,7 +133,7 @@ def _source_sizes(spec: str) -> dict[str, Any]:
     }
 
 
-def checkpoint_report(directory: Path, dep: Deployment, source: str | None = None) -> dict[str, Any]:
+def checkpoint_report(directory: Path, dep: Deployment, source: str | None = None) -> JSONObject:
     """Everything `quantkit report` prints (JSON-ready)."""
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -147,7 +147,7 @@ def checkpoint_report(directory: Path, dep: Deployment, source: str | None = Non
     planned = sum(t.nbytes for t in size_model(config, native_plan(config)))
     model = ModelSource(directory.name, config, directory)
     per_gpu = [plan_one(model, dep, native_plan(config), kv, tensors, "shard headers") for kv in KV_DTYPES]
-    report: dict[str, Any] = {
+    report: JSONObject = {
         "checkpoint": str(directory),
         "disk": disk,
         "index": _index_check(directory, headers),

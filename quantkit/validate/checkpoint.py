@@ -20,15 +20,16 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from quantkit.arch import KVLayout, Role, get_adapter
+from quantkit.arch import Adapter, KVLayout, Role, get_adapter
 from quantkit.checkpoint.qconfig import is_per_unit
 from quantkit.checkpoint.safetensors_header import ShardHeader, read_header
 from quantkit.checkpoint.source import INDEX_NAME
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.verdicts import ENGINES, Engine, engine_verdicts, read_checkpoint_facts
 from quantkit.validate.fp4 import (
     FP4_FORMATS,
@@ -40,6 +41,13 @@ from quantkit.validate.fp4 import (
 from quantkit.validate.mixed import check_mixed
 from quantkit.validate.report import Check, CheckStatus, Output, ValidationReport
 from quantkit.validate.serving import check_kv_scales, check_pd_pairs
+
+if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from quantkit.checkpoint.source import SourceCheckpoint
+
+    QConfig = QuantizationConfig | None  # the output's quantization_config as compressed-tensors parsed it
 
 __all__ = ["Check", "CheckStatus", "ValidationReport", "validate_checkpoint"]
 
@@ -103,7 +111,7 @@ def _load(root: Path, report: ValidationReport) -> Output | None:
 
 
 # ---- format -------------------------------------------------------------------------------------
-def _check_qconfig(out: Output, report: ValidationReport) -> Any:
+def _check_qconfig(out: Output, report: ValidationReport) -> QConfig:
     from compressed_tensors.quantization import QuantizationConfig
 
     raw = out.config.get("quantization_config")
@@ -133,15 +141,15 @@ def _quantized_modules(out: Output) -> list[str]:
     return sorted(n.removesuffix(".weight_packed") for n in out.tensors if n.endswith(".weight_packed"))
 
 
-def _group_size(qconfig: Any) -> int:
+def _group_size(qconfig: QConfig) -> int:
     return int(next(iter(qconfig.config_groups.values())).weights.group_size) if qconfig else 0
 
 
-def _fp4(qconfig: Any) -> str | None:
+def _fp4(qconfig: QConfig) -> str | None:
     return FP4_FORMATS.get(qconfig.format) if qconfig is not None else None
 
 
-def _check_modules(out: Output, modules: list[str], qconfig: Any, report: ValidationReport) -> None:
+def _check_modules(out: Output, modules: list[str], qconfig: QConfig, report: ValidationReport) -> None:
     fp4 = _fp4(qconfig)
     if fp4:
         report.add("quantized modules", module_problems(out.tensors, modules, fp4),
@@ -167,7 +175,7 @@ def _check_modules(out: Output, modules: list[str], qconfig: Any, report: Valida
     report.add("quantized modules", problems, f"{len(modules)} modules complete and consistent")
 
 
-def _check_decompress(out: Output, modules: list[str], qconfig: Any, report: ValidationReport, sample: int) -> None:
+def _check_decompress(out: Output, modules: list[str], qconfig: QConfig, report: ValidationReport, sample: int) -> None:
     """Decompress a spread-out sample with compressed-tensors' own decompressor (the engines' reference)."""
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
     from safetensors import safe_open
@@ -196,7 +204,7 @@ def _check_decompress(out: Output, modules: list[str], qconfig: Any, report: Val
 
 
 # ---- engine rules -------------------------------------------------------------------------------
-def _linear_modules(out: Output, adapter: Any) -> dict[str, Role]:
+def _linear_modules(out: Output, adapter: Adapter) -> dict[str, Role]:
     """Modules an engine builds as Linear layers: 2-D `.weight` tensors or quantized triples."""
     mods: dict[str, Role] = {}
     for name, (_, entry) in out.tensors.items():
@@ -208,7 +216,7 @@ def _linear_modules(out: Output, adapter: Any) -> dict[str, Role]:
     return mods
 
 
-def _check_engine_rules(out: Output, modules: list[str], qconfig: Any, report: ValidationReport) -> None:
+def _check_engine_rules(out: Output, modules: list[str], qconfig: QConfig, report: ValidationReport) -> None:
     from compressed_tensors.utils.match import match_name
 
     if qconfig is None:
@@ -237,7 +245,7 @@ def _check_engine_rules(out: Output, modules: list[str], qconfig: Any, report: V
     _check_mtp(out, adapter, report)
 
 
-def _fused_problems(linear: dict[str, Role], quantized: set[str], adapter: Any) -> list[str]:
+def _fused_problems(linear: dict[str, Role], quantized: set[str], adapter: Adapter) -> list[str]:
     problems = []
     experts_by_layer: dict[int, set[bool]] = defaultdict(set)
     for m, role in linear.items():
@@ -255,7 +263,7 @@ def _fused_problems(linear: dict[str, Role], quantized: set[str], adapter: Any) 
     return problems
 
 
-def _shape_problems(out: Output, adapter: Any, modules: list[str], group: int, report: ValidationReport,
+def _shape_problems(out: Output, adapter: Adapter, modules: list[str], group: int, report: ValidationReport,
                     per_word: int = 8) -> list[str]:
     """Per-rank divisibility for TP 1..8: MoE (group | hidden, group | moe_inter/TP), dense Marlin (64/128).
     `per_word`: weights per packed element (8 in INT4's int32, 2 in FP4's uint8)."""
@@ -285,7 +293,7 @@ def _shape_problems(out: Output, adapter: Any, modules: list[str], group: int, r
     return problems
 
 
-def _check_mtp(out: Output, adapter: Any, report: ValidationReport) -> None:
+def _check_mtp(out: Output, adapter: Adapter, report: ValidationReport) -> None:
     if not adapter.num_mtp_layers:
         return
     layer = adapter.num_layers
@@ -321,7 +329,7 @@ def _check_against_source(out: Output, source_dir: Path, modules: list[str], rep
                "sampled quantized weights within half a quantization step of the source")
 
 
-def _error_problems(out: Output, source: Any, modules: list[str], manifest: dict[str, Any]) -> list[str]:
+def _error_problems(out: Output, source: SourceCheckpoint, modules: list[str], manifest: JSONObject) -> list[str]:
     """RTN guarantees |w - q*s| <= s/2 per element (s/2 + clipping for MSE search; GPTQ trades this away)."""
     from safetensors import safe_open
 

@@ -9,20 +9,24 @@ llm-compressor 0.14's `model_free_ptq` writes for MoE experts, docs/fp4.md).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from quantkit.checkpoint.safetensors_header import HeaderEntry
 from quantkit.quant.fp4 import fused_groups
+
+if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationConfig
 
 __all__ = ["FP4_FORMATS", "decompress_problems", "module_problems", "qconfig_problems", "unfused_scale_problems"]
 
 FP4_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
-Tensors = dict[str, tuple[str, Any]]  # name -> (shard file, safetensors header entry)
+Tensors = dict[str, tuple[str, HeaderEntry]]  # name -> (shard file, safetensors header entry)
 
 
-def qconfig_problems(qconfig: Any) -> tuple[list[str], str]:
+def qconfig_problems(qconfig: QuantizationConfig) -> tuple[list[str], str]:
     """The FP4 `quantization_config` (parsed by compressed-tensors): problems and the one-line description."""
     fmt = FP4_FORMATS[qconfig.format]
     groups = list(qconfig.config_groups.values())
@@ -62,7 +66,8 @@ def _read(root: Path, tensors: Tensors, name: str) -> torch.Tensor:
         return fh.get_tensor(name)
 
 
-def decompress_problems(root: Path, tensors: Tensors, modules: list[str], qconfig: Any, sample: int) -> list[str]:
+def decompress_problems(root: Path, tensors: Tensors, modules: list[str], qconfig: QuantizationConfig,
+                        sample: int) -> list[str]:
     """Decompress a spread-out sample with compressed-tensors' own FP4 compressor."""
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor

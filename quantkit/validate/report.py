@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from quantkit.checkpoint.safetensors_header import ShardHeader
+from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.verdicts import Engine, EngineVerdict
 
 __all__ = ["Check", "CheckStatus", "Output", "ValidationReport"]
@@ -27,7 +28,7 @@ class Check:
 class ValidationReport:
     path: str
     checks: list[Check] = field(default_factory=list)
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, int | list[int]] = field(default_factory=dict)  # modules, shards, bytes, the TPs that fit
     engines: dict[Engine, EngineVerdict] = field(default_factory=dict)
 
     @property
@@ -43,7 +44,7 @@ class ValidationReport:
         else:
             self.checks.append(Check(name, "ok", detail_ok))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"path": self.path, "ok": self.ok, "checks": [asdict(c) for c in self.checks], "facts": self.facts,
                 "engines": {e: v.to_dict() for e, v in self.engines.items()}}
 
@@ -53,6 +54,6 @@ class Output:
     """A written checkpoint as the checks read it: config, shard headers, tensor -> (shard, header entry)."""
 
     root: Path
-    config: dict[str, Any]
+    config: JSONObject
     headers: dict[str, ShardHeader]
-    tensors: dict[str, tuple[str, Any]]  # name -> (shard, header entry)
+    tensors: dict[str, tuple[str, HeaderEntry]]  # name -> (shard, header entry)

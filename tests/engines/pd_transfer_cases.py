@@ -3,8 +3,9 @@
 Pools: MLA (DeepSeek-V3) `MLATokenToKVPool` as before; DSA (GLM-5) SGLang's `DSATokenToKVPool`, built by
 `KVCacheConfigurator._build_dsa_kv_pool` itself (run on an object carrying only the attributes it reads, as
 ModelRunner's configurator would: `kv_cache_dim` from `calculate_mla_kv_cache_dim`, the indexer K cache, its
-page geometry). One stand-in: the synthetic GLM-5 checkpoint's indexer head is 32 wide; SGLang's DSA pool only
-accepts GLM-5's 128 (`assert index_head_dim == 128`), so the pool is built with 128 (`INDEX_HEAD_DIM`).
+page geometry). SGLang's DSA pool only accepts GLM-5's indexer head of 128 (`assert index_head_dim == 128`); the
+pool is built with 128 (`INDEX_HEAD_DIM`), which the synthetic GLM-5 checkpoint with the real MLA dims carries
+too (index_head_dim twice qk_rope_head_dim, as GLM-5.x releases).
 
 DSA reference: after the transfer the decode child writes the prefill's latents (the BF16 pages it sent) into a
 second FP8 DSA pool of its own, at the destination tokens, by the pool's `set_mla_kv_buffer` (the DSA write path:

@@ -6,7 +6,8 @@ A fresh interpreter (the stubs enter a process-wide torch mode and answer torch.
 leak into the pytest process): installs `stubs.install_sglang_stubs`, loads SGLang through
 `quantkit.serving.integrity.sglang_env.load_sglang`, calls SGLang's `load_plugins()` first with `QUANTKIT_KV_INTEGRITY`
 unset (nothing may be registered), then with it set, and runs targeted scenarios plus the fault campaign at page
-sizes 1, 16 and 64 with immediate and staged reuse, and one unguarded control campaign.
+sizes 1, 16 and 64 with immediate and staged reuse, each in SGLang's normal and overlap orderings (half the steps
+each), and one unguarded control campaign.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def premature_free(version: str) -> dict:
     req = camp.running.reqs[0]
     clean_steps = camp.res.check_aborts
     page = camp._pages(req)[-1]
+    tokens_before = len(req.output_ids)
     camp._free(page)
     lines = _Lines()
     logging.getLogger("quantkit.kv_integrity").addHandler(lines)
@@ -85,9 +87,12 @@ def premature_free(version: str) -> dict:
     logging.getLogger("quantkit.kv_integrity").removeHandler(lines)
     rec = plugin.state().aborts[before:]
     free = camp.e.alloc.get_all_free_pages()
+    sent = camp.out.sink.finished.get(req.rid, {})
     return {"clean_aborts": clean_steps, "aborts": [r.__dict__ for r in rec], "rid": req.rid, "page": page,
             "finished_reason": str(getattr(req.finished_reason, "message", None)), "log": lines.lines,
-            "page_on_free_list": int((free == page).sum()), "running": len(camp.running.reqs)}
+            "page_on_free_list": int((free == page).sum()),
+            "running": len([r for r in camp.running.reqs if not r.finished()]),
+            "streamed_reason": sent, "tokens_after_fault": len(req.output_ids) - tokens_before}
 
 
 def shared_prompt_rewrite(version: str) -> dict:
@@ -110,6 +115,46 @@ def shared_prompt_rewrite(version: str) -> dict:
             "wrong": camp.res.wrong_data_served}
 
 
+def mixed_batch(version: str) -> dict:
+    """``--enable-mixed-chunk``: two decoding requests ride a prefill (SGLang's ``mix_with_running``), one of them
+    lost a page; SGLang's prefill-path result processing must finish it with the integrity abort and no token."""
+    import torch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    from quantkit.serving.integrity import sglang as plugin
+    from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign, _spec_none
+    from quantkit.serving.integrity.sglang_check import _after_forward
+
+    camp = _Campaign(CampaignConfig(page_size=16, fault_rate=0.0, arrival_rate=0.0, abort_rate=0.0), version)
+    victim, other = (camp.request(list(range(b, b + 40)), max_new=40, stream=True) for b in (100, 200))
+    camp.waiting += [victim, other]
+    while camp.running is None or len(camp.running.reqs) < 2:
+        camp.step()
+    camp.step()
+    camp._free(camp._pages(victim)[-1])
+    before = {r.rid: len(r.output_ids) for r in (victim, other)}
+    new_req = camp.request(list(range(300, 330)), max_new=40, stream=True)
+    new_req.init_next_round_input(camp.e.tree)
+    new_req.extend_end = len(new_req.full_untruncated_fill_ids)
+    new_req.lock = camp.e.tree.lock(new_req.last_node)
+    batch = ScheduleBatch.init_new([new_req], camp.e.pool, camp.e.alloc, camp.e.tree, camp.e.model, False,
+                                   _spec_none())  # fmt: skip
+    batch.prepare_for_extend()
+    camp.running.prepare_for_decode()  # what get_new_batch_prefill does under --enable-mixed-chunk
+    batch.mix_with_running(camp.running)
+    batch.decoding_reqs = camp.running.reqs
+    aborts = len(plugin.state().aborts)
+    result = GenerationBatchResult(next_token_ids=torch.tensor([5, 6, 7]))
+    _after_forward(result, None, batch)
+    camp.out.processor.process_batch_result_prefill(batch, result)
+    return {"mode_mixed": bool(batch.forward_mode.is_mixed()), "victim": victim.rid,
+            "aborted": [a.rid for a in plugin.state().aborts[aborts:]],
+            "victim_tokens": len(victim.output_ids) - before[victim.rid],
+            "other_tokens": len(other.output_ids) - before[other.rid], "prefill_tokens": len(new_req.output_ids),
+            "streamed": camp.out.sink.finished.get(victim.rid, {}), "kv_released": victim.kv.is_kv_released}
+
+
 def clear_makes_stale(version: str) -> dict:
     from quantkit.serving.integrity import sglang as plugin
     from quantkit.serving.integrity.campaign import CampaignConfig, _Campaign
@@ -118,18 +163,24 @@ def clear_makes_stale(version: str) -> dict:
     old = plugin.tracker_of(camp.e.alloc)
     camp.e.alloc.clear()
     new = plugin.tracker_of(camp.e.alloc)
-    return {"replaced": new is not old, "min_new": int(new.table.tags.min()), "max_old": int(old.table.tags.max())}
+    from quantkit.serving.integrity.state import TAG_MASK
+
+    return {"replaced": new is not old, "min_new": int((new.stamp[: new.num_pages] & TAG_MASK).min()),
+            "max_old": int((old.stamp[: old.num_pages] & TAG_MASK).max())}
 
 
 def campaigns(version: str, steps: int) -> list[dict]:
-    from quantkit.serving.integrity.campaign import CampaignConfig, run_campaign
+    from quantkit.serving.integrity.campaign import ORDERINGS, CampaignConfig, merge_results, run_campaign
 
     out = []
     for i, (ps, reuse) in enumerate([(p, r) for p in (1, 16, 64) for r in ("immediate", "staged")]):
-        cfg = CampaignConfig(steps=steps, seed=100 + i, page_size=ps, reuse=reuse, fault_rate=0.25)
-        out.append(run_campaign(cfg, version).to_dict())
-    control = CampaignConfig(steps=steps, seed=7, page_size=16, fault_rate=0.25, guarded=False)
-    out.append({"control": True, **run_campaign(control, version).to_dict()})
+        parts = [run_campaign(CampaignConfig(steps=n, seed=100 + i, page_size=ps, reuse=reuse, ordering=order,
+                                             fault_rate=0.25), version)
+                 for order, n in zip(ORDERINGS, (steps // 2, steps - steps // 2), strict=True)]  # fmt: skip
+        out.append(merge_results(parts).to_dict())
+    for order in ORDERINGS:
+        control = CampaignConfig(steps=steps, seed=7, page_size=16, fault_rate=0.25, guarded=False, ordering=order)
+        out.append({"control": True, **run_campaign(control, version).to_dict()})
     return out
 
 
@@ -146,6 +197,7 @@ def main() -> None:
     report["premature_free"] = premature_free(version)
     report["shared_prompt_rewrite"] = shared_prompt_rewrite(version)
     report["clear"] = clear_makes_stale(version)
+    report["mixed"] = mixed_batch(version)
     report["campaigns"] = campaigns(version, steps)
     out.write_text(json.dumps(report))
 

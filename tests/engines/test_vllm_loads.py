@@ -28,7 +28,7 @@ from harness import SOURCES, run_engine
 from safetensors.torch import load_file, save_file
 
 from quantkit.calibrate.tiny import build_tokenizer
-from quantkit.checkpoint.synth import make_checkpoint
+from quantkit.checkpoint.synth import make_checkpoint, write_kimi_processor_files
 from quantkit.quant.int4 import pack_int4, quantize_rtn
 
 pytestmark = pytest.mark.skipif(not SOURCES["vllm"].is_dir(), reason="vLLM wheel not unpacked: run `make engines`")
@@ -182,12 +182,8 @@ def _wrap_kimi(src: Path, dst: Path) -> Path:
     wrapper = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                "quantization_config": text.pop("quantization_config"), "text_config": text}
     (dst / "config.json").write_text(json.dumps(wrapper))
-    wrapped = dst
-    media = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
-             "fixed_output_tokens": None, "temporal_merge_kernel_size": 4, "in_patch_limit_each_frame": 4096,
-             "in_patch_limit_video": None, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-    (wrapped / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media}))
-    return wrapped
+    write_kimi_processor_files(dst)
+    return dst
 
 
 def _quantize_also(ckpt: Path, dst: Path, names: list[str], drop_ignore: str | None) -> Path:

@@ -132,7 +132,7 @@ def run_bench(
     page_sizes: list[int],
     device: str = "auto",
     repeats: int = 5,
-) -> list[dict]:
+) -> list[dict[str, object]]:
     """All configurations on one device (``auto``: CUDA when available, else CPU)."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))  # fmt: skip

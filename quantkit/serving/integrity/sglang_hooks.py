@@ -1,6 +1,9 @@
-"""The KV-integrity plugin's state and its memory hooks (frees, allocations, row records); the entry point,
-its hook table and the overview are in ``sglang.py``, the check and the abort in ``sglang_check.py``."""
+"""The KV-integrity plugin's process state and its memory hooks (frees, allocations, row records); the entry point,
+its hook table and the overview are in ``sglang.py``, the check, the verdict and the abort in ``sglang_check.py``.
 
+Nothing here reads the device on the decode path (see ``state.py`` for the convention); SGLang is imported only
+for type names.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +11,28 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from quantkit.serving.integrity.tags import _occurrence_rank
-from quantkit.serving.integrity.tracker import TagTracker
+from quantkit.serving.integrity.state import PoolState
 
-__all__ = ["ENV", "ENABLE_VALUE", "AbortRecord", "enabled", "record_rows", "state", "tracker_of"]
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+__all__ = ["ENV", "ENABLE_VALUE", "AbortPlan", "AbortRecord", "enabled", "record_rows", "state", "tracker_of"]
 
 ENV = "QUANTKIT_KV_INTEGRITY"
 ENABLE_VALUE = "tags"
 ABORT_MESSAGE = "KV page integrity check failed (quantkit)"
-NEVER = -3  # a recorded tag that never matches (live tags start at 0 and only grow)
 logger = logging.getLogger("quantkit.kv_integrity")
-SGLangObject = Any  # allocator / pool / batch / request / tree: SGLang's classes, importable only with SGLang
+Original = Callable[..., object]  # the SGLang function an AROUND hook wraps
 
 
 @dataclass(frozen=True)
@@ -38,12 +48,24 @@ class AbortRecord:
     row_pages: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class AbortPlan:
+    """What SGLang's own release of an aborted request must not free (pages now someone else's) and what it must
+    free besides (pages the row lost but the request still owns)."""
+
+    skip: torch.Tensor
+    lost: tuple[int, ...]
+
+
 @dataclass
 class _State:
     registered: bool = False
     aborts: list[AbortRecord] = field(default_factory=list)
     checks: int = 0
     skip: torch.Tensor | None = None  # pages not to free while an aborted request is released
+    returned: set[int] = field(default_factory=set)  # stamps of pages handed out twice that an abort gave back
+    drops: int = 0  # requests whose tokens of the step in processing are dropped (speculative path)
+    tp_sync: bool = False  # QUANTKIT_KV_INTEGRITY_TP_SYNC=1: all-reduce the verdict over the TP group
 
 
 _STATE = _State()
@@ -58,253 +80,215 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() == ENABLE_VALUE
 
 
-# ---- per-allocator tracker -----------------------------------------------------------------------------------------
-
-
-class _PoolTracker(TagTracker):
-    """TagTracker plus, per page, the tag the radix tree took it with (-1: not the tree's) and the key of the token
-    prefix it held then (a freed page re-adopted under another prefix does not vouch for a stale node)."""
-
-    def __init__(self, num_pages: int, page_size: int, device: torch.device | str, start: int = 0) -> None:
-        super().__init__(num_pages, device)
-        self.page_size = page_size
-        if start:
-            self.table.tags.fill_(start)
-        self.tree_tags = torch.full((num_pages,), -1, dtype=torch.int64, device=self.device)
-        self.tree_keys = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
-        self.handed_twice: set[int] = set()  # pages given to two holders at once: the first abort frees them
-
-    def freed(self, pages: torch.Tensor) -> None:
-        self.table.bump(pages)
-        self.tree_tags[pages] = -1
-
-    def tree_tag(self, pages: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """The tag a page attached from the tree must carry: the adoption tag if the tree adopted it under this
-        prefix, else NEVER."""
-        tags = self.tree_tags[pages]
-        return torch.where(self.tree_keys[pages] == keys, tags, torch.full_like(tags, NEVER))
-
-
-_KEY_MASK = (1 << 62) - 1
-
-
-def page_keys(tokens: Sequence[int], first: int, end: int, page_size: int) -> torch.Tensor:
-    """Chained key of the token prefix ending with each page in [first, end) (deterministic across processes)."""
-    key, keys = 0, []
-    for j in range(end):
-        key = hash((key, tuple(tokens[j * page_size : (j + 1) * page_size]))) & _KEY_MASK
-        if j >= first:
-            keys.append(key)
-    return torch.tensor(keys, dtype=torch.int64)
-
-
-def tracker_of(allocator: SGLangObject) -> _PoolTracker | None:
+def tracker_of(allocator: BaseTokenToKVPoolAllocator) -> PoolState | None:
+    """The allocator's integrity state (None: not tracked, e.g. the plugin is off or the allocator unsupported)."""
     return allocator.__dict__.get("_quantkit_tracker")
-
-
-def _pages_of_slots(slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Pages whose first slot is in ``slots``: the pages an allocation handed out anew."""
-    slots = slots.long()
-    if page_size > 1:
-        slots = slots[slots % page_size == 0]
-    return slots // page_size
-
-
-def _unskipped(pages: torch.Tensor) -> torch.Tensor:
-    skip = _STATE.skip
-    if skip is None or pages.numel() == 0:
-        return pages
-    return pages[~torch.isin(pages.long(), skip)]
 
 
 # ---- free / alloc / clear hooks ------------------------------------------------------------------------------------
 
 
-def _release_page_ids(original: Callable[..., Any], self: SGLangObject, *page_ids: torch.Tensor) -> Any:
-    kept = tuple(_unskipped(ids) for ids in page_ids)
+def _unskipped(index: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``index`` (slots, or pages with ``page_size`` 1) less the pages an abort must not free. Abort path only."""
+    skip = _STATE.skip
+    if skip is None or index.numel() == 0:
+        return index
+    pages = index.long() // page_size if page_size > 1 else index.long()
+    return index[~torch.isin(pages, skip)]
+
+
+def _release_page_ids(original: Original, self: BaseTokenToKVPoolAllocator, *page_ids: torch.Tensor) -> object:
+    """Every paged free ends here (also a free group's, at its end): bump the pages."""
     tracker = tracker_of(self)
     if tracker is not None:
-        for ids in kept:
-            tracker.freed(ids.long())
-    return original(self, *kept)
+        for ids in page_ids:
+            if ids.numel():
+                tracker.freed(ids)
+    return original(self, *page_ids)
 
 
-def _token_free(original: Callable[..., Any], self: SGLangObject, free_index: torch.Tensor) -> Any:
-    free_index = _unskipped(free_index)
+def _paged_free(original: Original, self: BaseTokenToKVPoolAllocator, free_index: torch.Tensor) -> object:
+    return original(self, _unskipped(free_index, self.page_size))
+
+
+def _paged_free_page_ids(original: Original, self: BaseTokenToKVPoolAllocator, page_ids: torch.Tensor) -> object:
+    return original(self, _unskipped(page_ids, 1))
+
+
+def _token_free(original: Original, self: BaseTokenToKVPoolAllocator, free_index: torch.Tensor) -> object:
+    free_index = _unskipped(free_index, 1)
     tracker = tracker_of(self)
     if tracker is not None and self.free_group is None and free_index.numel():
-        tracker.freed(free_index.long())
+        tracker.freed(free_index)
     return original(self, free_index)
 
 
-def _after_alloc(result: torch.Tensor | None, self: SGLangObject, *args: Any, **kwargs: Any) -> None:
+def _after_alloc(result: torch.Tensor | None, self: BaseTokenToKVPoolAllocator, *args: object,
+                 **kwargs: object) -> None:  # fmt: skip
+    """Paged ``alloc`` / ``alloc_extend``: bump the pages they opened."""
     tracker = tracker_of(self)
     if tracker is not None and isinstance(result, torch.Tensor) and result.numel():
-        tracker.table.bump(_pages_of_slots(result, self.page_size))
+        tracker.handed(result)
 
 
-def _after_clear(result: None, self: SGLangObject) -> None:
+def _after_token_alloc(result: torch.Tensor | None, self: BaseTokenToKVPoolAllocator, need_size: int) -> None:
+    """Page size 1 (every allocation, a decode step's included): bump, and keep the stamps for the decode record."""
+    tracker = tracker_of(self)
+    if tracker is not None and isinstance(result, torch.Tensor):
+        tracker.handed_decode(result, need_size)
+
+
+def _after_alloc_decode(result: torch.Tensor | None, self: BaseTokenToKVPoolAllocator, seq_lens: torch.Tensor,
+                        seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> None:  # fmt: skip
+    """Paged decode allocation (``seq_lens_cpu``: lengths with the new token): the host knows which rows open a page,
+    so a step that opens none costs nothing."""
+    tracker = tracker_of(self)
+    if tracker is not None and isinstance(result, torch.Tensor):
+        seq = seq_lens_cpu.numpy()
+        tracker.handed_decode(result, len(seq) if ((seq - 1) % self.page_size == 0).any() else 0)
+
+
+def _after_clear(result: None, self: BaseTokenToKVPoolAllocator) -> None:
     old = tracker_of(self)
-    start = int(old.table.tags.max()) + 1 if old is not None else 0
+    start = old.rebuild_start() if old is not None else 0
     num_pages = self.size // self.page_size + 1  # page 0 is SGLang's padding page
-    self.__dict__["_quantkit_tracker"] = _PoolTracker(num_pages, self.page_size, self.device, start)
+    self.__dict__["_quantkit_tracker"] = PoolState(num_pages, self.page_size, self.device, start)
 
 
-def _before_free_rows(self: SGLangObject, indices: list[int]) -> None:
-    tracker = self.__dict__.get("_quantkit_tracker")
-    if tracker is not None:
-        for row in indices:
-            tracker.on_release(int(row))
+def _before_free_rows(self: ReqToTokenPool, indices: list[int]) -> None:
+    tracker: PoolState | None = self.__dict__.get("_quantkit_tracker")
+    if tracker is not None and tracker.bound and len(indices):
+        tracker.nrec_host[np.asarray(indices, dtype=np.int64)] = 0
 
 
-def _after_pool_clear(result: None, self: SGLangObject) -> None:
-    tracker = self.__dict__.get("_quantkit_tracker")
-    if tracker is not None:
-        for row in list(tracker.ledger._segments):
-            tracker.on_release(row)
+def _after_pool_clear(result: None, self: ReqToTokenPool) -> None:
+    tracker: PoolState | None = self.__dict__.get("_quantkit_tracker")
+    if tracker is not None and tracker.bound:
+        tracker.nrec_host[:] = 0
 
 
 # ---- recording row writes ------------------------------------------------------------------------------------------
 
 
-def _bind(pool: SGLangObject, allocator: SGLangObject) -> _PoolTracker | None:
+def _bind(pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator) -> PoolState | None:
     tracker = tracker_of(allocator)
-    if tracker is not None:
+    if tracker is not None and pool.__dict__.get("_quantkit_tracker") is not tracker:
         pool.__dict__["_quantkit_tracker"] = tracker
+        tracker.bind(*pool.req_to_token.shape)
     return tracker
 
 
-def _row_pages(tracker: _PoolTracker, pool: SGLangObject, row: int, first: int, end: int) -> torch.Tensor:
-    ps = tracker.page_size
-    return pool.req_to_token[row, first * ps : end * ps : ps].long() // ps
+_KEY_MASK = (1 << 62) - 1
 
 
-def record_rows(pool: SGLangObject, allocator: SGLangObject, rows: list[int], seq_lens: list[int],
-                tree_prefix_lens: list[int], tokens: Sequence[Sequence[int] | None] | None = None) -> None:  # fmt: skip
-    """Record the not-yet-recorded pages of each row up to ``seq_lens``; the first ``tree_prefix_lens`` tokens
-    of a row that had no record came from the radix tree (whose token ids are ``tokens``) and get the tree's
-    adoption tags."""
+def chain_keys(owner: object, tokens: Sequence[int], first: int, end: int, page_size: int) -> np.ndarray:
+    """Chained key of the token prefix ending with each page in ``[first, end)`` (deterministic across processes).
+
+    The chain's state is kept on ``owner`` (the request), so keys already computed are never hashed again: a
+    request's pages are hashed once over its life, not at every checkpoint."""
+    cache: dict[str, tuple[int, int]] = owner.__dict__
+    done, key = cache.get("_qk_chain", (0, 0))
+    if done > first:
+        done, key = 0, 0
+    keys = np.empty(max(end - first, 0), dtype=np.int64)
+    for j in range(done, end):
+        key = hash((key, tuple(tokens[j * page_size : (j + 1) * page_size]))) & _KEY_MASK
+        if j >= first:
+            keys[j - first] = key
+    cache["_qk_chain"] = (max(done, end), key)
+    return keys
+
+
+def record_rows(pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator, rows: Sequence[int],
+                seq_lens: Sequence[int], tree_prefix_lens: Sequence[int],
+                reqs: Sequence[Req | None] | None = None,
+                tokens: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
+    """Record the not-yet-recorded pages of each row up to ``seq_lens`` (tokens); the first ``tree_prefix_lens``
+    tokens of a row that had no record came from the radix tree (whose token ids are ``tokens``, or the requests'
+    ``full_untruncated_fill_ids``) and get the tree's adoption stamps."""
     tracker = _bind(pool, allocator)
-    if tracker is None:
+    if tracker is None or not len(rows):
         return
     ps = tracker.page_size
-    spans, pages, from_tree, keys = [], [], [], []
-    for i, (row, seq_len, tree_len) in enumerate(zip(rows, seq_lens, tree_prefix_lens, strict=True)):
-        have = tracker.ledger.length(row)
-        end = -(-seq_len // ps)
-        if end <= have:
+    rows_a = np.asarray(rows, dtype=np.int64)
+    firsts = tracker.nrec_host[rows_a].copy()
+    ends = -(-np.asarray(seq_lens, dtype=np.int64) // ps)
+    tree = np.where(firsts == 0, np.asarray(tree_prefix_lens, dtype=np.int64) // ps, 0)
+    keys = []
+    for i in np.flatnonzero((tree > 0) & (ends > firsts)):
+        req = reqs[i] if reqs is not None else None
+        toks = tokens[i] if tokens is not None else (req.full_untruncated_fill_ids if req is not None else None)
+        if toks is None:
+            tree[i] = 0
             continue
-        p = _row_pages(tracker, pool, row, have, end)
-        tree_pages = tree_len // ps if have == 0 else 0
-        mask = torch.zeros(end - have, dtype=torch.bool)
-        mask[:tree_pages] = True
-        k = torch.zeros(end - have, dtype=torch.int64)
-        if tree_pages and tokens is not None and tokens[i] is not None:
-            k[:tree_pages] = page_keys(tokens[i], 0, tree_pages, ps)
-        spans.append((row, p.numel()))
-        pages.append(p)
-        from_tree.append(mask)
-        keys.append(k)
-    if not spans:
-        return
-    pages_t, tree_t = torch.cat(pages), torch.cat(from_tree)
-    tags = torch.where(tree_t, tracker.tree_tag(pages_t, torch.cat(keys)), _fresh_tags(tracker, pages_t, ~tree_t))
-    start = 0
-    for row, n in spans:
-        tracker.ledger.append(row, pages_t[start : start + n], tags[start : start + n])
-        start += n
+        n = min(int(tree[i]), int(ends[i]))
+        keys.append(chain_keys(req if req is not None else _Scratch(), toks, 0, n, ps))
+    tracker.record_spans(pool.req_to_token, rows_a, firsts, ends, tree, np.concatenate(keys) if keys else None)
 
 
-def _fresh_tags(tracker: _PoolTracker, pages: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Live tags of newly handed-out pages. A page handed out twice in one call (it was freed twice) is written by
-    two prefills in one forward: no holder's data is intact, so every occurrence records a tag that never matches."""
-    live = tracker.table.lookup(pages)
-    sel = pages[fresh]
-    if sel.numel() > 1 and torch.unique(sel).numel() != sel.numel():
-        dup = torch.zeros_like(fresh)
-        dup[fresh] = (_occurrence_rank(sel) > 0) | (_occurrence_rank(sel.flip(0)).flip(0) > 0)
-        tracker.handed_twice.update(pages[dup].tolist())
-        return torch.where(dup, torch.full_like(live, NEVER), live)
-    return live
+class _Scratch:
+    """A throw-away owner for :func:`chain_keys` when there is no request object to keep the chain on."""
 
 
-def _after_alloc_for_extend(result: tuple, batch: SGLangObject) -> None:
+def _after_alloc_for_extend(result: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch: ScheduleBatch) -> None:
     _, _, rows_cpu = result
-    rows = [int(r) for r in rows_cpu.tolist()]
-    record_rows(batch.req_to_token_pool, batch.tree_cache.token_to_kv_pool_allocator, rows,
-                [int(s) for s in batch.seq_lens_cpu.tolist()], list(batch.prefix_lens),
-                [r.full_untruncated_fill_ids for r in batch.reqs])  # fmt: skip
+    record_rows(batch.req_to_token_pool, batch.tree_cache.token_to_kv_pool_allocator, rows_cpu.tolist(),
+                batch.seq_lens_cpu.tolist(), list(batch.prefix_lens), batch.reqs)  # fmt: skip
 
 
-def _after_alloc_for_decode(result: torch.Tensor, batch: SGLangObject, token_per_req: int) -> None:
-    allocator = batch.tree_cache.token_to_kv_pool_allocator
-    tracker = _bind(batch.req_to_token_pool, allocator)
+def _after_alloc_for_decode(result: torch.Tensor, batch: ScheduleBatch, token_per_req: int) -> None:
+    pool = batch.req_to_token_pool
+    tracker = _bind(pool, batch.tree_cache.token_to_kv_pool_allocator)
     if tracker is None or not len(batch.reqs):
         return
-    ps = tracker.page_size
-    rows = batch.req_pool_indices_cpu.long()
-    seq = batch.seq_lens_cpu.long()
-    if token_per_req == 1:
-        new = (seq % ps == 0).nonzero().flatten()
-        rows_new = rows[new].tolist()
-        if all(tracker.ledger.length(r) == s // ps for r, s in zip(rows_new, seq[new].tolist(), strict=True)):
-            pages = result.long()[new] // ps
-            fresh = torch.ones_like(pages, dtype=torch.bool)
-            tracker.ledger.append_many(rows_new, pages, _fresh_tags(tracker, pages, fresh))
-            return
-    ends = (seq + token_per_req).tolist()
-    record_rows(batch.req_to_token_pool, allocator, rows.tolist(), ends, [0] * len(ends))
+    if token_per_req != 1:
+        ends = (batch.seq_lens_cpu + token_per_req).tolist()
+        record_rows(pool, batch.tree_cache.token_to_kv_pool_allocator, batch.req_pool_indices_cpu.tolist(), ends,
+                    [0] * len(ends))  # fmt: skip
+        return
+    seq = batch.seq_lens_cpu.numpy()
+    tracker.record_decode(pool.req_to_token, result, batch.req_pool_indices, batch.seq_lens,
+                          batch.req_pool_indices_cpu.numpy(), seq)  # fmt: skip
+    tracker.next_seq = (batch, seq + 1)  # the lengths prepare_for_decode is about to set: the check's extent
 
 
-def _after_alloc_for_spec_decode(result: None, tree_cache: SGLangObject, req_to_token_pool: SGLangObject,
-                                 **kwargs: Any) -> None:  # fmt: skip
-    rows = [int(r.kv.req_pool_idx) for r in kwargs["reqs"]]
-    ends = [int(n) for n in kwargs["nxt_kv_lens_cpu"].tolist()]
-    record_rows(req_to_token_pool, tree_cache.token_to_kv_pool_allocator, rows, ends, [0] * len(rows))
+def _after_alloc_for_spec_decode(result: None, tree_cache: BasePrefixCache, req_to_token_pool: ReqToTokenPool, *,
+                                 reqs: list[Req], nxt_kv_lens_cpu: torch.Tensor, **kwargs: object) -> None:  # fmt: skip
+    rows = [int(r.kv.req_pool_idx) for r in reqs]
+    record_rows(req_to_token_pool, tree_cache.token_to_kv_pool_allocator, rows, nxt_kv_lens_cpu.tolist(),
+                [0] * len(rows))  # fmt: skip
 
 
-def _after_pre_alloc(result: torch.Tensor, self: SGLangObject, req: SGLangObject,
+def _after_pre_alloc(result: torch.Tensor, self: DecodePreallocQueue, req: Req,
                      prefix_indices: torch.Tensor | None = None, prefix_len: int | None = None,
                      total_prefix_len: int | None = None) -> None:  # fmt: skip
     end = (total_prefix_len or prefix_len or 0) + len(result)
     record_rows(self.req_to_token_pool, self.token_to_kv_pool_allocator, [int(req.kv.req_pool_idx)], [end],
-                [prefix_len or 0], [req.origin_input_ids])  # fmt: skip
+                [prefix_len or 0], [req], [req.origin_input_ids])  # fmt: skip
 
 
-def _after_restore(result: None, req: SGLangObject, tree_cache: SGLangObject, req_to_token_pool: SGLangObject,
-                   token_to_kv_pool_allocator: SGLangObject, backend: str) -> None:  # fmt: skip
+def _after_restore(result: None, req: Req, tree_cache: BasePrefixCache, req_to_token_pool: ReqToTokenPool,
+                   token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator, backend: str) -> None:  # fmt: skip
     if req.kv.req_pool_idx is not None:
         record_rows(req_to_token_pool, token_to_kv_pool_allocator, [int(req.kv.req_pool_idx)],
                     [int(req.kv.kv_allocated_len)], [0])  # fmt: skip
 
 
-def _checkpoint_into_tree(original: Callable[..., Any], self: SGLangObject, req: SGLangObject, *args: Any,
-                          **kwargs: Any) -> Any:  # fmt: skip
-    """The tree adopts the row's pages with the tags the request recorded, and may rewrite part of the row
-    ([cache_protected_len, new path length)) with pages it already held: those get the tree's tags."""
+def _checkpoint_into_tree(original: Original, self: UnifiedRadixCache, req: Req, *args: object,
+                          **kwargs: object) -> object:  # fmt: skip
+    """The tree adopts the row's pages with the stamps the request recorded, and may rewrite part of the row
+    ([cache_protected_len, new path length)) with pages it already held: those get the tree's stamps. Only the
+    pages past the old protected prefix are touched (and hashed, once per request: :func:`chain_keys`)."""
     tracker = tracker_of(self.token_to_kv_pool_allocator)
     row = req.kv.req_pool_idx
-    if tracker is None or row is None or int(row) not in tracker.ledger:
+    if tracker is None or row is None or not tracker.bound or tracker.nrec_host[int(row)] == 0:
         return original(self, req, *args, **kwargs)
     row = int(row)
     ps = tracker.page_size
     before = req.kv.cache_protected_len // ps
     out = original(self, req, *args, **kwargs)
-    after = min(req.kv.cache_protected_len // ps, tracker.ledger.length(row))
-    if after <= 0:
-        return out
-    led_pages, led_tags = tracker.ledger.entries(row)
-    now = _row_pages(tracker, self.req_to_token_pool, row, 0, after)
-    same = now == led_pages[:after].long()
-    rewritten = ~same
-    rewritten[:before] = False  # the tree writes only past the old protected prefix; other changes stay suspect
-    adopt = same.clone()
-    adopt[:before] = False
-    keys = page_keys(req.full_untruncated_fill_ids, 0, after, ps)
-    tracker.tree_tags[now[adopt]] = led_tags[:after][adopt]
-    tracker.tree_keys[now[adopt]] = keys[adopt]
-    if bool(rewritten.any()):
-        idx = rewritten.nonzero().flatten()
-        led_pages[idx] = now[idx].to(led_pages.dtype)
-        led_tags[idx] = tracker.tree_tag(now[idx], keys[idx])
+    after = min(req.kv.cache_protected_len // ps, int(tracker.nrec_host[row]))
+    if after > before:
+        keys = chain_keys(req, req.full_untruncated_fill_ids, before, after, ps)
+        tracker.adopt(self.req_to_token_pool.req_to_token, row, before, after, keys)
     return out

@@ -25,15 +25,16 @@ from __future__ import annotations
 import random
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
 
+from quantkit.serving.integrity.simulator_faults import FAULT_KINDS, FaultInjector
 from quantkit.serving.integrity.tracker import DecodeBatch, IntegrityConfig, make_tracker
 
 __all__ = ["FAULT_KINDS", "SimConfig", "SimResult", "simulate"]
 
-FAULT_KINDS = ("realloc_while_referenced", "stale_block_table", "double_free", "swapped_page_index")
 _MASK = (1 << 61) - 1
 
 
@@ -44,7 +45,7 @@ class SimConfig:
     steps: int = 2000
     seed: int = 0
     fault_rate: float = 0.02
-    tracker: str = "tags"
+    tracker: Literal["tags", "noop"] = "tags"
     num_pages: int = 96
     page_size: int = 4
     max_running: int = 12
@@ -76,7 +77,7 @@ class SimResult:
     faults_by_kind: dict[str, int] = field(default_factory=dict)
     uncaught_corrupting_faults: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -101,7 +102,7 @@ class _Request:
     served_wrong: bool = False
 
 
-class _Sim:
+class _Sim(FaultInjector):
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
@@ -332,62 +333,6 @@ class _Sim:
         else:
             self.res.false_aborts += 1
         self.release(req, aborted=True)
-
-    # ---- faults -----------------------------------------------------------------------------------
-    def inject(self) -> None:
-        kind = FAULT_KINDS[self.rng.randrange(len(FAULT_KINDS))]
-        holders = [r for r in self.running if r.pages]
-        fid = self.res.faults_injected + 1
-        pages = getattr(self, f"_fault_{kind}")(holders, fid)
-        if pages is None:
-            return
-        self.res.faults_injected += 1
-        self.res.faults_by_kind[kind] += 1
-        for p in pages:
-            self.page_faults.setdefault(p, set()).add(fid)
-        for req in self.running:
-            if any(p in pages for p in self.block_table[req.row, : len(req.pages)].tolist()):
-                req.faults.add(fid)
-
-    def _fault_realloc_while_referenced(self, holders: list[_Request], fid: int) -> list[int] | None:
-        if not holders:
-            return None
-        req = self.rng.choice(holders)
-        page = self.rng.choice(req.pages)
-        self.free_pages([page], front=True)  # refcount bug: freed while still referenced
-        return [page]
-
-    def _fault_stale_block_table(self, holders: list[_Request], fid: int) -> list[int] | None:
-        if not holders:
-            return None
-        req = self.rng.choice(holders)
-        i = self.rng.randrange(len(req.pages))
-        old = int(self.block_table[req.row, i])
-        pool = list(self.free) if self.free else range(self.cfg.num_pages)
-        stale = self.rng.choice([p for p in pool if p != old] or [(old + 1) % self.cfg.num_pages])
-        self.block_table[req.row, i] = stale
-        req.faults.add(fid)
-        return [old, stale]
-
-    def _fault_double_free(self, holders: list[_Request], fid: int) -> list[int] | None:
-        if not self.free:
-            return None
-        page = self.rng.choice(list(self.free))
-        self.free_pages([page], front=True)  # now on the free list twice
-        return [page]
-
-    def _fault_swapped_page_index(self, holders: list[_Request], fid: int) -> list[int] | None:
-        slots = [(r, i) for r in holders for i in range(len(r.pages))]
-        if len(slots) < 2:
-            return None
-        (a, i), (b, j) = self.rng.sample(slots, 2)
-        pa, pb = int(self.block_table[a.row, i]), int(self.block_table[b.row, j])
-        if pa == pb:
-            return None
-        self.block_table[a.row, i], self.block_table[b.row, j] = pb, pa
-        a.faults.add(fid)
-        b.faults.add(fid)
-        return [pa, pb]
 
     def result(self) -> SimResult:
         self.res.faults_that_would_corrupt = len(self.corrupt_faults)

@@ -122,7 +122,8 @@ class TagTracker:
 
     enabled = True
 
-    def __init__(self, num_pages: int, device: torch.device | str = "cpu", backend: str = "auto") -> None:
+    def __init__(self, num_pages: int, device: torch.device | str = "cpu",
+                 backend: Literal["auto", "torch", "triton"] = "auto") -> None:  # fmt: skip
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
         self.device = torch.device(device)

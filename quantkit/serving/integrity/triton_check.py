@@ -8,6 +8,9 @@ single atomic add per block, so the host reads B integers, never per-page flags.
 It runs as its own launch before attention, never inside it: inside, it would race with the writes
 of the same step and could only poison output, not abort the request.
 
+``row_check_triton`` is the SGLang plugin's check (``state.py``): the expected stamps sit in a table parallel to
+``req_to_token`` and a failing row gets ``-1`` in ``row_bad`` directly, so nothing is read back by the host.
+
 Import this module only where triton is installed; ``available()`` says whether a launch can run.
 """
 
@@ -19,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "available", "check_counts_triton"]
+__all__ = ["BLOCK", "available", "check_counts_triton", "row_check_triton"]
 
 BLOCK = 256
 
@@ -108,3 +111,67 @@ def check_counts_triton(
         BLOCK=BLOCK,
     )
     return counts
+
+
+@triton.jit
+def _row_check_kernel(
+    rows_ptr,
+    seq_lens_ptr,
+    table_ptr,
+    sig_ptr,
+    stamp_ptr,
+    row_bad_ptr,
+    slots_ptr,
+    table_stride,
+    sig_stride,
+    page_size,
+    num_pages,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    n = (tl.load(seq_lens_ptr + b).to(tl.int64) + page_size - 1) // page_size
+    if blk == 0:
+        if tl.load(row_bad_ptr + row) < 0:  # flagged by an earlier check: keep its write off the pool
+            tl.store(slots_ptr + b, 0)
+    if blk * BLOCK < n:
+        offs = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        mask = offs < n
+        page = tl.load(table_ptr + row * table_stride + offs * page_size, mask=mask, other=0).to(tl.int64)
+        page = page // page_size
+        valid = mask & (page >= 0) & (page < num_pages)
+        now = tl.load(stamp_ptr + page, mask=valid, other=-3)  # -3: no record equals it
+        expected = tl.load(sig_ptr + row * sig_stride + offs, mask=mask, other=0)
+        nbad = tl.sum((mask & (now != expected)).to(tl.int32), axis=0)
+        if nbad > 0:
+            tl.atomic_min(row_bad_ptr + row, -1)
+            tl.store(slots_ptr + b, 0)  # its decode write goes to SGLang's padding slot
+
+
+def row_check_triton(
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    table: torch.Tensor,
+    sig: torch.Tensor,
+    stamp: torch.Tensor,
+    row_bad: torch.Tensor,
+    slots: torch.Tensor | None,
+    page_size: int,
+    max_n: int,
+) -> None:
+    """One launch over ``rows`` x ``max_n`` pages: ``row_bad[row] = -1`` where a page's live ``stamp`` differs from
+    ``sig[row, j]`` (``j < ceil(seq_lens[b] / page_size)``: the pages the step reads), and ``slots[b] = 0``
+    (SGLang's padding slot) for a flagged row ``b``; ``max_n`` comes from the host, so nothing is read back.
+
+    :param table: ``req_to_token`` (row-major 2-D int32 token slots; every ``page_size``-th column is read).
+    """
+    if table.dim() != 2 or table.stride(1) != 1 or sig.stride(1) != 1:
+        raise ValueError("req_to_token and the record table must be row-major 2-D tensors")
+    if max_n <= 0 or rows.numel() == 0:
+        return
+    if slots is None:  # no write to redirect (a speculative batch): a scratch target
+        slots = torch.empty(rows.numel(), dtype=torch.int64, device=rows.device)
+    grid = (rows.numel(), triton.cdiv(max_n, BLOCK))
+    _row_check_kernel[grid](rows, seq_lens, table, sig, stamp, row_bad, slots, table.stride(0), sig.stride(0),
+                            page_size, stamp.numel(), BLOCK=BLOCK)  # fmt: skip
