@@ -11,9 +11,8 @@ from __future__ import annotations
 import fnmatch
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.arch import Adapter
@@ -21,6 +20,9 @@ from quantkit.core.errors import QuantkitError
 from quantkit.quant.recipe import Recipe
 from quantkit.quant.scheme import FORMATS, FP8_BLOCK, FormatName, WeightFormat
 from quantkit.quant.units import Unit, list_units, unit_of
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PrecisionPlan", "resolve_precision", "tensor_format", "unit_formats"]
 
@@ -35,7 +37,7 @@ class PrecisionPlan(BaseModel):
     def format_of(self, unit: str) -> WeightFormat:
         return FORMATS[self.units[unit]]
 
-    def bytes(self, units: list[Unit], model_dtype: torch.dtype = torch.bfloat16,
+    def bytes(self, units: list[Unit], model_dtype: torch.dtype | None = None,
               fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
         """Stored bytes of the planned units (the rest of the checkpoint aside)."""
         return sum(u.nbytes(self.format_of(u.name), model_dtype, fp8_block) for u in units if u.name in self.units)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from quantkit.core.errors import QuantkitError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `plan` and `--help` never load it
+    import torch
 
 __all__ = [
     "FORMATS",
@@ -45,7 +46,7 @@ CTFormat = Literal["pack-quantized", "float-quantized", "nvfp4-pack-quantized", 
 Method = Literal["rtn", "gptq"]
 ScaleSearch = Literal["minmax", "mse"]
 # (name suffix, dtype, shape) of one stored tensor; the dtype None means "the model dtype"
-StoredTensor = tuple[str, torch.dtype, tuple[int, ...]]
+StoredTensor = tuple[str, "torch.dtype", tuple[int, ...]]
 
 FP8_BLOCK = (128, 128)  # the block of DeepSeek-style FP8 sources (a source with another block passes its own)
 
@@ -84,10 +85,15 @@ class WeightFormat:
             raise QuantkitError(f"{name}: in_features {shape[1]} is not a multiple of group size {self.group} "
                                 f"(and of {per_word}) for {self.label}")
 
-    def stored(self, shape: tuple[int, ...], model_dtype: torch.dtype = torch.bfloat16,
-               fp8_block: tuple[int, int] = FP8_BLOCK, fp8_scale_dtype: torch.dtype = torch.float32
+    def stored(self, shape: tuple[int, ...], model_dtype: torch.dtype | None = None,
+               fp8_block: tuple[int, int] = FP8_BLOCK, fp8_scale_dtype: torch.dtype | None = None
                ) -> list[StoredTensor]:
-        """The tensors the writer stores for one weight matrix `[out, in]`, suffixes after the module name."""
+        """The tensors the writer stores for one weight matrix `[out, in]`, suffixes after the module name
+        (`model_dtype` default bfloat16, `fp8_scale_dtype` default float32)."""
+        import torch
+
+        model_dtype = torch.bfloat16 if model_dtype is None else model_dtype
+        fp8_scale_dtype = torch.float32 if fp8_scale_dtype is None else fp8_scale_dtype
         out, inp = shape[0], shape[-1]
         if self.kind == "int":
             assert self.group is not None
@@ -110,7 +116,7 @@ class WeightFormat:
                     ("weight_scale", fp8_scale_dtype, (math.ceil(out / bh), math.ceil(inp / bw)))]
         return [("weight", model_dtype, tuple(shape))]
 
-    def matrix_bytes(self, shape: tuple[int, ...], model_dtype: torch.dtype = torch.bfloat16,
+    def matrix_bytes(self, shape: tuple[int, ...], model_dtype: torch.dtype | None = None,
                      fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
         """Exact bytes of one weight matrix as the writer stores it (tensor data, safetensors header aside)."""
         return sum(math.prod(s) * d.itemsize for _, d, s in self.stored(shape, model_dtype, fp8_block))
@@ -119,14 +125,17 @@ class WeightFormat:
         """Stored bits per weight, scales included, for a matrix of `shape` (bf16 scales)."""
         return 8 * self.matrix_bytes(shape) / math.prod(shape)
 
-    def fake_quantize(self, w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16,
+    def fake_quantize(self, w: torch.Tensor, scale_dtype: torch.dtype | None = None,
                       global_amax: float | None = None) -> torch.Tensor:
         """`w` quantized and dequantized again, fp32 (RTN, minmax scales: exactly the values written).
 
         Kept formats return `w` itself: they add no error against the source (`bf16` of an FP8 source is its
         exact dequantization; `fp8-block` copies it). NVFP4's global scale comes from `global_amax` when the
-        engines fuse this matrix with others (gate/up), else from `w` itself.
+        engines fuse this matrix with others (gate/up), else from `w` itself. Scales default to bfloat16.
         """
+        import torch
+
+        scale_dtype = torch.bfloat16 if scale_dtype is None else scale_dtype
         if self.kind == "int":
             from quantkit.quant.int4 import dequantize_group, quantize_rtn
 

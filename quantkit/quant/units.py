@@ -21,12 +21,13 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from quantkit.arch import Adapter, KVLayout, Role
 from quantkit.quant.scheme import FP8_BLOCK, WeightFormat
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["UNIT_KINDS", "UNIT_NAME", "Unit", "UnitKind", "list_units", "unit_name", "unit_of"]
 
@@ -61,7 +62,7 @@ class Unit:
         """Weights in the unit's matrices."""
         return sum(o * i * n for (o, i), n in self.matrices)
 
-    def nbytes(self, fmt: WeightFormat, model_dtype: torch.dtype = torch.bfloat16,
+    def nbytes(self, fmt: WeightFormat, model_dtype: torch.dtype | None = None,
                fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
         """Exact bytes the writer stores for the unit in `fmt` (tensor data)."""
         return sum(n * fmt.matrix_bytes(shape, model_dtype, fp8_block) for shape, n in self.matrices)
