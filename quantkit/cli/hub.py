@@ -42,7 +42,7 @@ def push_cmd(
     quiet: Annotated[bool, typer.Option(help="no progress output")] = False,
 ) -> None:
     """Verify SHA256SUMS and validate, upload (resumable), then check the hub's files against the manifest."""
-    from quantkit.cli.convert import RichReporter, console, human_bytes
+    from quantkit.cli.common import RichReporter, console, human_bytes
     from quantkit.hub.client import push
 
     _quiet_client(quiet)
@@ -66,7 +66,7 @@ def pull_cmd(
     quiet: Annotated[bool, typer.Option(help="no progress output")] = False,
 ) -> None:
     """Download safetensors, configs, tokenizer, chat template and *.py (never pickle files), verified."""
-    from quantkit.cli.convert import RichReporter, console, human_bytes
+    from quantkit.cli.common import RichReporter, console, human_bytes
     from quantkit.hub.client import pull
 
     _quiet_client(quiet)
@@ -88,7 +88,7 @@ def verify_cmd(
 ) -> None:
     """Re-hash every file listed in SHA256SUMS in parallel and list mismatches (exit 2 on any)."""
     from quantkit.checkpoint.manifest import MANIFEST_NAME, verify_manifest, write_manifest
-    from quantkit.cli.convert import RichReporter, console, human_bytes
+    from quantkit.cli.common import RichReporter, console, human_bytes
     from quantkit.core.errors import QuantkitError
 
     if not directory.is_dir():

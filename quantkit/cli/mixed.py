@@ -40,7 +40,7 @@ def sensitivity_cmd(
     Under torchrun every rank runs this command (expert-parallel, as convert). docs/mixed-precision.md."""
     from quantkit.calibrate.sensitivity import write_table
     from quantkit.calibrate.sensitivity_run import sensitivity_of
-    from quantkit.cli.convert import _source_config, console
+    from quantkit.cli.common import console, source_config
     from quantkit.convert.pipeline import check_device
     from quantkit.core.distributed import World
     from quantkit.hub.client import resolve_source
@@ -50,7 +50,7 @@ def sensitivity_cmd(
     world = World.from_env(dev)
     world.start()
     src = resolve_source(src)
-    recipe = load_recipe(None, _source_config(src), {"calibration.dataset": calib, "calibration.samples": samples,
+    recipe = load_recipe(None, source_config(src), {"calibration.dataset": calib, "calibration.samples": samples,
                                                      "calibration.seq_len": seq_len})
     c = recipe.calibration
     if not c.dataset:

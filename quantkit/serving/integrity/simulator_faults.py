@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from quantkit.serving.integrity.simulator import SimConfig, SimResult, _Request
+from quantkit.serving.integrity.simulator_state import SimConfig, SimResult, _Request
 
 __all__ = ["FAULT_KINDS", "FaultInjector"]
 
