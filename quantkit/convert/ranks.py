@@ -59,9 +59,11 @@ def every_rank(world: World, fn: Callable[[], T]) -> T:
             raise
         own = exc
     errors = world.all_gather_object(None if own is None else str(own))
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        world.stop()  # every rank knows the run fails here: leave the group together (see World.stop)
     if own is not None:
         raise own
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
         raise RankFailed(f"rank {rank} of {world.size} failed: {message}")
@@ -82,9 +84,11 @@ def on_main(world: World, fn: Callable[[], T]) -> T:
             value = fn()
         except QuantkitError as exc:
             world.all_gather_object((None, str(exc)))
+            world.stop()  # every rank knows the run fails here: leave the group together (see World.stop)
             raise
     value, error = world.all_gather_object((value, error))[0]  # type: ignore[misc]
     if error is not None:
+        world.stop()
         raise RankFailed(f"rank 0 of {world.size} failed: {error}")
     return value  # type: ignore[return-value]
 

@@ -85,7 +85,8 @@ class World:
 
         A barrier first: a rank that returns early from the last collective and tears its connections down
         while a peer's gloo threads are still completing it can abort that peer at exit (SIGABRT,
-        "terminate called without an active exception", seen once in CI under torchrun)."""
+        "terminate called without an active exception", seen in CI under torchrun). Called after the last
+        collective of a successful run, and by every rank at once when a collective decided the run fails."""
         import torch.distributed as dist
 
         if self.size > 1 and dist.is_initialized():
