@@ -12,12 +12,15 @@ layer file (`amax` metadata); the converter takes the max over each fused group 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from quantkit.core.distributed import SINGLE, World
+
+if TYPE_CHECKING:
+    from quantkit.calibrate.moe import ExpertMoE  # moe.py imports this module
 
 __all__ = ["AmaxHooks", "LayerAmax", "merge_amax", "observe_expert"]
 
@@ -30,7 +33,7 @@ class AmaxHooks:
         self._hooks = [lin.register_forward_pre_hook(self._hook(name)) for name, lin in linears.items()]
 
     def _hook(self, name: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             a = float(args[0].detach().abs().amax()) if args[0].numel() else 0.0
             self.amax[name] = max(self.amax.get(name, 0.0), a)
 
@@ -62,7 +65,7 @@ def observe_expert(store: dict[int, list[float]], e: int, x: torch.Tensor, inner
 class LayerAmax:
     """One decoder layer's observation: hooks on its dense target Linears plus the routed experts' amaxes."""
 
-    def __init__(self, linears: dict[str, nn.Linear], moe: Any | None) -> None:  # moe: ExpertMoE (no import cycle)
+    def __init__(self, linears: dict[str, nn.Linear], moe: ExpertMoE | None) -> None:
         self.hooks = AmaxHooks(linears)
         self.moe = moe
         if moe is not None:

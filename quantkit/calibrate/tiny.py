@@ -20,10 +20,15 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = ["ARCHS", "CORPUS", "HELDOUT", "build_tiny", "build_tokenizer", "tiny_config", "cache_root"]
 
@@ -60,7 +65,7 @@ def _digest(arch: str) -> str:
     return h.hexdigest()[:12]
 
 
-def build_tokenizer(out_dir: Path) -> Any:
+def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (512 tokens) trained on the corpus, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -86,11 +91,11 @@ def build_tokenizer(out_dir: Path) -> Any:
     return fast
 
 
-def tiny_config(arch: str) -> Any:
+def tiny_config(arch: str) -> PretrainedConfig:
     """The transformers config of a tiny model (all quantized dims multiples of 32)."""
     from transformers import AutoConfig
 
-    common: dict[str, Any] = dict(
+    common: dict[str, int | float | bool] = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -142,7 +147,7 @@ def tiny_config(arch: str) -> Any:
     raise ValueError(f"unknown tiny arch {arch!r} (choose from {ARCHS})")
 
 
-def _balance_hooks(model: Any) -> tuple[list[Any], dict[int, torch.Tensor]]:
+def _balance_hooks(model: PreTrainedModel) -> tuple[list[RemovableHandle], dict[int, torch.Tensor]]:
     """Count per-router expert loads each step (DeepSeek's aux-loss-free balancing needs them)."""
     loads: dict[int, torch.Tensor] = {}
     handles = []
@@ -151,14 +156,15 @@ def _balance_hooks(model: Any) -> tuple[list[Any], dict[int, torch.Tensor]]:
         if gate is None or not hasattr(gate, "e_score_correction_bias"):
             continue
 
-        def hook(module: Any, args: Any, out: Any, i: int = i) -> None:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...],
+                 i: int = i) -> None:
             loads[i] = torch.bincount(out[2].flatten(), minlength=module.num_experts).float()
 
         handles.append(gate.register_forward_hook(hook))
     return handles, loads
 
 
-def train(arch: str, out_dir: Path, log: Any = print) -> dict[str, Any]:
+def train(arch: str, out_dir: Path, log: Callable[[str], None] = print) -> dict[str, str | int | float]:
     """Train a tiny model into `out_dir` (tokenizer included); returns training stats."""
     from transformers import AutoModelForCausalLM
 
@@ -200,7 +206,7 @@ def train(arch: str, out_dir: Path, log: Any = print) -> dict[str, Any]:
     return stats
 
 
-def build_tiny(arch: str, root: Path | None = None, log: Any = print) -> Path:
+def build_tiny(arch: str, root: Path | None = None, log: Callable[[str], None] = print) -> Path:
     """Path of the trained tiny `arch` model, training it first if the cache lacks it."""
     target = (root or cache_root() / "tiny") / f"{arch}-{_digest(arch)}"
     if (target / "training.json").exists():

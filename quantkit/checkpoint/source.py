@@ -17,7 +17,7 @@ import os
 import struct
 from functools import cache, cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from quantkit.arch import Adapter, get_adapter
 from quantkit.checkpoint.checks import (
@@ -37,6 +37,7 @@ from quantkit.checkpoint.checks import (
 )
 from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader, read_header
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,7 +53,7 @@ _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 class SourceCheckpoint:
     """A validated source checkpoint directory. Use `open_source` to build one."""
 
-    def __init__(self, root: Path, config: dict[str, Any], headers: dict[str, ShardHeader]) -> None:
+    def __init__(self, root: Path, config: JSONObject, headers: dict[str, ShardHeader]) -> None:
         self.root = root
         self.config = config
         self.headers = headers  # shard file name -> header, in shard order
@@ -62,7 +63,7 @@ class SourceCheckpoint:
 
     # ---- format facts ---------------------------------------------------------------------------
     @cached_property
-    def quantization_config(self) -> dict[str, Any]:
+    def quantization_config(self) -> JSONObject:
         return self.config.get("quantization_config") or {}
 
     @cached_property
@@ -297,6 +298,6 @@ def _bytes(where: dict[str, tuple[str, HeaderEntry]], parts: dict[str, str]) -> 
     return sum(where[p][1].nbytes for p in parts)
 
 
-def _natural_key(name: str) -> list[Any]:
+def _natural_key(name: str) -> list[int | str]:
     """Sort `layers.2` before `layers.10` so processing follows the model's order."""
     return [int(tok) if tok.isdigit() else tok for tok in name.split(".")]

@@ -5,14 +5,23 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSON, JSONObject
 
 __all__ = ["register", "RichReporter", "human_bytes"]
 
@@ -36,7 +45,7 @@ class RichReporter:
             TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), console=console, disable=quiet, transient=False,
         )
-        self.task: Any = None
+        self.task: TaskID | None = None
 
     def __enter__(self) -> RichReporter:
         self.progress.start()
@@ -57,7 +66,7 @@ class RichReporter:
             self.progress.console.print(message)
 
 
-def _emit_json(value: Any) -> None:
+def _emit_json(value: JSON) -> None:
     typer.echo(json.dumps(value, indent=2))
 
 
@@ -158,7 +167,7 @@ class EngineChoice(str, Enum):
     all = "all"
 
 
-def _source_config(src: Path) -> dict[str, Any]:
+def _source_config(src: Path) -> JSONObject:
     """SRC/config.json of an architecture quantkit knows; errors name the file by its full path."""
     from quantkit.arch import get_adapter
     from quantkit.checkpoint.source import read_config

@@ -32,7 +32,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -66,6 +66,7 @@ from quantkit.convert.worker import ShardJob, convert_shard, part_name
 from quantkit.core.distributed import RankFailed, World, clear_failures
 from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.core.progress import Reporter, Silent
 from quantkit.engines.record import serving_record
 from quantkit.engines.verdicts import facts_from_checkpoint, unloadable_roles
@@ -133,7 +134,7 @@ def _convert(
 ) -> ConvertResult:
     """The run's steps, in the same order on every rank (see `quantkit.convert.ranks`)."""
 
-    def validate() -> tuple[SourceCheckpoint, dict[str, list[TensorPlan]], dict[str, Any]]:
+    def validate() -> tuple[SourceCheckpoint, dict[str, list[TensorPlan]], JSONObject]:
         check_paths(src, out)
         source = open_source(src)
         check_recipe_loadable(source.adapter, recipe)
@@ -178,7 +179,7 @@ class _Start(TypedDict):
 
 
 def _start(
-    source: SourceCheckpoint, identity: dict[str, Any], partial: Path, out: Path, force: bool, needed: NeededBytes,
+    source: SourceCheckpoint, identity: JSONObject, partial: Path, out: Path, force: bool, needed: NeededBytes,
     report: Reporter, world: World, lock_held: ExitStack,
 ) -> _Start:
     """Rank 0: OUT checks, free-space preflight, the run lock (kept in `lock_held` until the end), then
@@ -250,7 +251,7 @@ def _share_global_scales(source: SourceCheckpoint, plans: dict[str, list[TensorP
 
 
 def _finish(
-    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: dict[str, Any],
+    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: JSONObject,
     partial: Path, out: Path, force: bool, calibration: CalibrationResult | None,
 ) -> None:
     """Rank 0, once every shard is journaled: final shard names, metadata, card, publish."""
@@ -318,7 +319,7 @@ def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Calib
     progress: SimpleQueue[int] = SimpleQueue()  # bytes done, tensor by tensor; drained by this thread
     stop = threading.Event()
     pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="quantkit-convert")
-    pending: set[Future[dict[str, Any]]] = {
+    pending: set[Future[JSONObject]] = {
         pool.submit(convert_shard, source, job, calibration, progress.put, stop.is_set) for job in jobs}
     try:
         while pending:
@@ -357,7 +358,7 @@ def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
                             "remove it from quantize_roles")
 
 
-def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, Any]:
+def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> JSONObject:
     """KV scales as one extra part file, under the names of `quantkit.engines.verdicts.kv_scale_names`, float32 [1]."""
     from quantkit.calibrate.kv import scale_tensors
 
@@ -378,7 +379,7 @@ def _write_metadata(
     partial: Path,
     weight_map: dict[str, str],
     calibration: CalibrationResult | None,
-    identity: dict[str, Any],
+    identity: JSONObject,
 ) -> int:
     """config.json, index, recipe, carried-over files, reports and quantkit.json (last: it marks the
     metadata complete, see `is_finished`); returns output bytes."""
@@ -420,7 +421,7 @@ def _write_metadata(
     return sum(shard_bytes.values())
 
 
-def _kv_report(partial: Path, reports: list[str]) -> dict[str, Any] | None:
+def _kv_report(partial: Path, reports: list[str]) -> JSONObject | None:
     from quantkit.calibrate.result import KV_REPORT_FILE
 
     return json.loads((partial / KV_REPORT_FILE).read_text(encoding="utf-8")) if KV_REPORT_FILE in reports else None
