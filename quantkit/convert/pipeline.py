@@ -8,9 +8,10 @@
 
 A crash, kill -9, Ctrl-C or full disk leaves `OUT.partial/` with a journal; rerunning the same command
 resumes from the shards (and calibration layers) already finished and produces the same bytes. Every
-step after the last shard is idempotent too (see `quantkit.convert.publish`). `OUT.partial/.quantkit.lock`
-keeps a second run off the same OUT; the kernel releases it when its process dies, so a killed run's
-lock is taken over. A free-space preflight refuses a run that cannot fit before anything is written.
+step after the last shard is idempotent too (`quantkit.convert.metadata`, `quantkit.convert.publish`).
+`OUT.partial/.quantkit.lock` keeps a second run off the same OUT; the kernel releases it when its process
+dies, so a killed run's lock is taken over. A free-space preflight refuses a run that cannot fit before
+anything is written.
 
 Under torchrun every rank runs `convert` (`quantkit.convert.ranks`): each validates the source, rank 0
 alone locks, resumes or discards OUT.partial, finalizes and publishes; the pending source shards are split
@@ -21,7 +22,6 @@ writes the same bytes (docs/distributed.md).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import threading
@@ -37,16 +37,11 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from quantkit.arch import Adapter
-from quantkit.checkpoint.qconfig import build_fp4_quantization_config, build_quantization_config
 from quantkit.checkpoint.source import SourceCheckpoint, open_source
-from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
+from quantkit.convert.metadata import write_kv_scales, write_metadata
 from quantkit.convert.partial import check_out, check_paths, kept, prepare_partial, read_journal, resumable
 from quantkit.convert.plan import TensorAction, TensorPlan, plan_conversion
 from quantkit.convert.publish import (
-    MANIFEST_FILE,
-    RECIPE_FILE,
-    account,
-    carry_over_files,
     finalize_shards,
     is_finished,
     publish,
@@ -62,15 +57,13 @@ from quantkit.convert.ranks import (
     write_nonce,
 )
 from quantkit.convert.space import NeededBytes, planned_bytes, preflight
-from quantkit.convert.worker import ShardJob, convert_shard, part_name
+from quantkit.convert.worker import ShardJob, convert_shard
 from quantkit.core.distributed import RankFailed, World, clear_failures
-from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
+from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes
 from quantkit.core.errors import QuantkitError
 from quantkit.core.jsontypes import JSONObject
 from quantkit.core.progress import Reporter, Silent
-from quantkit.engines.record import serving_record
-from quantkit.engines.verdicts import facts_from_checkpoint, unloadable_roles
-from quantkit.hub import read_origin
+from quantkit.engines.verdicts import unloadable_roles
 from quantkit.hub.card import write_card
 from quantkit.quant.recipe import Recipe
 
@@ -78,9 +71,6 @@ if TYPE_CHECKING:  # the calibration stack imports transformers: only when a rec
     from quantkit.calibrate.result import CalibrationResult
 
 __all__ = ["ConvertResult", "Reporter", "check_device", "check_recipe_loadable", "convert"]
-
-_KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
-
 
 @dataclass
 class ConvertResult:
@@ -257,9 +247,9 @@ def _finish(
     """Rank 0, once every shard is journaled: final shard names, metadata, card, publish."""
     journal = [read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
-        journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
+        journal.append(write_kv_scales(partial, calibration.kv_scales, source.adapter))
     weight_map = finalize_shards(partial, journal)
-    _write_metadata(source, recipe, plans, partial, weight_map, calibration, identity)
+    write_metadata(source, recipe, plans, partial, weight_map, calibration, identity)
     write_card(partial)  # README.md from quantkit.json; the source's README kept as README.source.md
     publish(partial, out, force)
 
@@ -345,7 +335,7 @@ def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
             return
 
 
-# ---- metadata -----------------------------------------------------------------------------------
+# ---- preflight ----------------------------------------------------------------------------------
 def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
     """Refuse a recipe that quantizes a role an engine builds unquantized (the output could not be served)."""
     if recipe.scheme == "nvfp4" and not recipe.calibration.dataset:  # W4A4: activation scales need data
@@ -356,78 +346,3 @@ def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
         role, why = next(iter(refused.items()))
         raise QuantkitError(f"recipe {recipe.name}: quantize_roles has {role.value!r}, but {why}; "
                             "remove it from quantize_roles")
-
-
-def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> JSONObject:
-    """KV scales as one extra part file, under the names of `quantkit.engines.verdicts.kv_scale_names`, float32 [1]."""
-    from quantkit.calibrate.kv import scale_tensors
-
-    tensors = scale_tensors(kv_scales, adapter)
-    name = part_name(_KV_SHARD_INDEX, 0)
-    planned = [PlannedTensor(n, torch.float32, (1,)) for n in tensors]
-    writer = StreamingShardWriter(partial / "parts" / name, planned, record_digest=True)
-    for n, t in tensors.items():
-        writer.write(n, t)
-    writer.finish()
-    return {"shard": "(calibrated KV-cache scales)", "parts": [name]}
-
-
-def _write_metadata(
-    source: SourceCheckpoint,
-    recipe: Recipe,
-    plans: dict[str, list[TensorPlan]],
-    partial: Path,
-    weight_map: dict[str, str],
-    calibration: CalibrationResult | None,
-    identity: JSONObject,
-) -> int:
-    """config.json, index, recipe, carried-over files, reports and quantkit.json (last: it marks the
-    metadata complete, see `is_finished`); returns output bytes."""
-    copied, skipped = carry_over_files(source, partial)
-    config = dict(source.config)
-    ignore = source.adapter.ignore_patterns(set(recipe.quantize_roles))
-    kv = calibration is not None and bool(calibration.kv_scales)
-    if recipe.fp4 is None:
-        config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
-    else:
-        config["quantization_config"] = build_fp4_quantization_config(recipe.scheme, ignore, kv_cache=kv)
-    write_json_atomic(partial / "config.json", config)
-    reports = calibration.write_reports(partial) if calibration is not None else []
-    write_text_atomic(partial / RECIPE_FILE, recipe.to_yaml())
-    shard_bytes = {f: (partial / f).stat().st_size for f in sorted(set(weight_map.values()))}
-    write_json_atomic(partial / "model.safetensors.index.json",
-               {"metadata": {"total_size": _data_bytes(partial, shard_bytes)}, "weight_map": weight_map})
-    tensors = account(plans, weight_map)
-    summary: dict[str, dict[str, int]] = {}
-    for plan in (p for ps in plans.values() for p in ps):
-        row = summary.setdefault(plan.action, {"tensors": 0, "source_bytes": 0, "output_bytes": 0})
-        row["tensors"] += 1
-        row["source_bytes"] += plan.source.nbytes
-        row["output_bytes"] += sum(o.nbytes for o in plan.outputs)
-    manifest = {
-        "format": "quantkit/1",
-        "tool_versions": identity["versions"],
-        "source": {"name": source.root.name, "fingerprint": identity["fingerprint"], "format": source.source_format,
-                   "bytes": source.source_bytes, "shards": len(source.shard_files), "warnings": source.warnings,
-                   "hub": read_origin(source.root)},
-        "recipe": identity["recipe"],
-        "output": {"bytes": sum(shard_bytes.values()), "shards": shard_bytes, "files_copied": copied,
-                   "files_skipped": skipped, "reports": reports},
-        "summary": summary,
-        "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
-        "tensors": tensors,
-    }
-    write_json_atomic(partial / MANIFEST_FILE, manifest)
-    return sum(shard_bytes.values())
-
-
-def _kv_report(partial: Path, reports: list[str]) -> JSONObject | None:
-    from quantkit.calibrate.result import KV_REPORT_FILE
-
-    return json.loads((partial / KV_REPORT_FILE).read_text(encoding="utf-8")) if KV_REPORT_FILE in reports else None
-
-
-def _data_bytes(partial: Path, shard_bytes: dict[str, int]) -> int:
-    from quantkit.checkpoint.safetensors_header import read_header
-
-    return sum(read_header(partial / f).data_bytes for f in shard_bytes)
