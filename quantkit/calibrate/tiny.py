@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from quantkit.core.locations import CACHE_DIR, CALIBRATION_DATA
+
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = ["ARCHS", "CORPUS", "HELDOUT", "build_tiny", "build_tokenizer", "tiny_config", "cache_root"]
 
-REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "calibration_data" / "default.jsonl"
-HELDOUT = REPO / "calibration_data" / "heldout.jsonl"
+CORPUS = CALIBRATION_DATA / "default.jsonl"
+HELDOUT = CALIBRATION_DATA / "heldout.jsonl"
 ARCHS = ("deepseek_v3", "glm_moe_dsa", "glm4_moe")
 VOCAB = 512
 SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
@@ -50,7 +51,7 @@ STEPS, BATCH, SEQ, LR = 150, 8, 128, 3e-3
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("QUANTKIT_CACHE", REPO / ".cache" / "quantkit"))
+    return Path(os.environ.get("QUANTKIT_CACHE", CACHE_DIR / "quantkit"))
 
 
 # Bump when the training code changes in a way that changes the weights (cosmetic edits need not).

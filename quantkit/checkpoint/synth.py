@@ -20,6 +20,7 @@ from quantkit.arch import Role, TensorSpec, get_adapter
 from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
 from quantkit.core.jsontypes import JSON, JSONObject
+from quantkit.core.locations import PLAN_CONFIGS
 from quantkit.quant.int4 import pack_int4, quantize_rtn
 
 __all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "wrap_multimodal", "FP8_ROLES",
@@ -195,7 +196,7 @@ def wrap_multimodal(src: str | Path, dst: str | Path, wrapper: str = "kimi_k25",
     _dump(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
     text = json.loads((dst / "config.json").read_text())
     qc = text.pop("quantization_config", None)
-    release = json.loads((Path(__file__).parents[1] / "plan" / "configs" / "kimi-k2.6" / "config.json").read_text())
+    release = json.loads((PLAN_CONFIGS / "kimi-k2.6" / "config.json").read_text())
     vision = dict(release["vision_config"], text_hidden_size=text["hidden_size"], hidden_size=32, vt_hidden_size=32,
                   intermediate_size=64, vt_intermediate_size=64, num_attention_heads=2, vt_num_attention_heads=2,
                   num_hidden_layers=1, vt_num_hidden_layers=1, mm_hidden_size=32, init_pos_emb_height=4,

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TypedDict
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.locations import CALIBRATION_DATA
 
 __all__ = ["ServedEvalOptions", "served_eval"]
 
-DATA = Path(__file__).resolve().parents[2] / "calibration_data"
 
 
 class ServedEvalOptions(TypedDict):
@@ -65,7 +65,7 @@ def served_eval(opts: ServedEvalOptions) -> bool:
                        model="sglang-generate" if opts["api"] == "sglang" else "local-completions")
     log = (lambda m: print(m, file=sys.stderr)) if opts["as_json"] else print
     cfg = EvalConfig(candidate=cand, baseline=base, tasks=tasks, state=opts["state"], heldout=opts["data"],
-                     toolcall_items=DATA / "toolcall.jsonl", lm_eval=lm, limit=opts["limit"],
+                     toolcall_items=CALIBRATION_DATA / "toolcall.jsonl", lm_eval=lm, limit=opts["limit"],
                      threshold=opts["threshold"], max_kl=opts["max_kl"], max_flip=opts["max_flip"],
                      logprobs=opts["logprobs"], api=opts["api"], tool_choice=opts["tool_choice"],
                      tool_max_tokens=opts["tool_max_tokens"], concurrency=opts["concurrency"], log=log)
