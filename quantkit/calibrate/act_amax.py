@@ -12,15 +12,12 @@ layer file (`amax` metadata); the converter takes the max over each fused group 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from quantkit.core.distributed import SINGLE, World
-
-if TYPE_CHECKING:
-    from quantkit.calibrate.moe import ExpertMoE  # moe.py imports this module
 
 __all__ = ["AmaxHooks", "LayerAmax", "merge_amax", "observe_expert"]
 
@@ -62,10 +59,16 @@ def observe_expert(store: dict[int, list[float]], e: int, x: torch.Tensor, inner
         a[1] = max(a[1], float(inner.abs().amax()))
 
 
+class ExpertAmax(Protocol):
+    """`moe.ExpertMoE` as the observation uses it (moe.py imports this module): where its experts' amaxes go."""
+
+    amax: dict[int, list[float]] | None  # expert -> input amax [gate/up, down] while observing
+
+
 class LayerAmax:
     """One decoder layer's observation: hooks on its dense target Linears plus the routed experts' amaxes."""
 
-    def __init__(self, linears: dict[str, nn.Linear], moe: ExpertMoE | None) -> None:
+    def __init__(self, linears: dict[str, nn.Linear], moe: ExpertAmax | None) -> None:
         self.hooks = AmaxHooks(linears)
         self.moe = moe
         if moe is not None:
