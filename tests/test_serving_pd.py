@@ -69,7 +69,7 @@ def test_pd_pair_runs_one_scale_on_both_sides() -> None:
 
 
 def test_pd_plugin_is_a_no_op_unless_switched_on(monkeypatch) -> None:
-    from quantkit.engines.pd import sglang as sglang_pd
+    from quantkit.serving.pd import sglang as sglang_pd
     monkeypatch.delenv(sglang_pd.ENV, raising=False)
     assert sglang_pd.register() is None and not sglang_pd._STATE.registered  # nothing imported, nothing hooked
     monkeypatch.setenv(sglang_pd.ENV, "fp8-to-bf16")
