@@ -159,6 +159,15 @@ def layer_dims(smoke: bool) -> dict[str, int]:
             "moe_layers": cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]}
 
 
+def start_layer(ctx: Context, rep: Report) -> tuple[torch.device, dict[str, int]]:
+    """The device and the real-size layer's dims of a GPTQ / RTN section; records device, model, dims, group."""
+    device = torch_device(ctx)
+    rep.device = device_name(device)
+    dims = layer_dims(ctx.smoke)
+    rep.figures.update(model="synthetic" if ctx.smoke else LAYER_MODEL, dims=dims, group_size=32)
+    return device, dims
+
+
 def expert_weights(e: int, dims: dict[str, int], device: torch.device, dtype: torch.dtype,
                    seed: int = 0) -> dict[str, torch.Tensor]:
     """gate/up `[inter, hidden]` and down `[hidden, inter]` of expert `e`, drawn on `device` from seed + e."""

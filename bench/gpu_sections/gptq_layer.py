@@ -7,18 +7,15 @@ import time
 from typing import TYPE_CHECKING
 
 from gpu_sections.common import (
-    LAYER_MODEL,
     Context,
     JSONObject,
     Report,
     SectionData,
-    device_name,
     expert_weights,
     fmt,
-    layer_dims,
     peak_gib,
+    start_layer,
     sync,
-    torch_device,
 )
 
 if TYPE_CHECKING:
@@ -64,12 +61,9 @@ def run(ctx: Context, rep: Report) -> None:
 
     settings = GPTQSettings(dampening_frac=0.01, block_size=128, actorder="static")
 
-    device = torch_device(ctx)
-    rep.device = device_name(device)
-    dims = layer_dims(ctx.smoke)
+    device, dims = start_layer(ctx, rep)
     tokens, batch = (256, 64) if ctx.smoke else (CALIB_TOKENS, CALIB_BATCH_TOKENS)
-    rep.figures.update(model="synthetic" if ctx.smoke else LAYER_MODEL, dims=dims, group_size=32, damping=0.01,
-                       block_size=128, tokens=tokens, tokens_per_forward=batch)
+    rep.figures.update(damping=0.01, block_size=128, tokens=tokens, tokens_per_forward=batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()

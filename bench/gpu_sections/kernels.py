@@ -61,6 +61,7 @@ def run(ctx: Context, rep: Report) -> None:
     device = torch_device(ctx)
     rep.device = device_name(device)
     from quantkit.kernels import bench
+    from quantkit.kernels.baselines import BASELINE_MODULES
 
     peak, source = hbm_peak(device)
     if ctx.smoke:
@@ -75,7 +76,7 @@ def run(ctx: Context, rep: Report) -> None:
         linear, moe, fp8_b = ("triton", "cuda"), ("triton",), ("triton",)
     rep.figures.update(hbm_gbps=peak, hbm_source=source, tp=tp, models=models, m_values=list(m_values), rows=[])
     rep.figures["baselines_importable"] = {n: importlib.util.find_spec(m) is not None
-                                           for n, m in bench.BASELINE_MODULES.items()}
+                                           for n, m in BASELINE_MODULES.items()}
 
     def on_rows(new: list[BenchRow]) -> None:
         rep.figures["rows"] += [asdict(row) for row in new]

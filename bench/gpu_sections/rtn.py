@@ -4,18 +4,7 @@ from __future__ import annotations
 
 import time
 
-from gpu_sections.common import (
-    LAYER_MODEL,
-    Context,
-    Report,
-    SectionData,
-    device_name,
-    expert_weights,
-    fmt,
-    layer_dims,
-    sync,
-    torch_device,
-)
+from gpu_sections.common import Context, Report, SectionData, expert_weights, fmt, start_layer, sync
 
 
 def run(ctx: Context, rep: Report) -> None:
@@ -24,10 +13,7 @@ def run(ctx: Context, rep: Report) -> None:
 
     from quantkit.quant.int4 import pack_nibbles, quantize_rtn
 
-    device = torch_device(ctx)
-    rep.device = device_name(device)
-    dims = layer_dims(ctx.smoke)
-    rep.figures.update(model="synthetic" if ctx.smoke else LAYER_MODEL, dims=dims, group_size=32)
+    device, dims = start_layer(ctx, rep)
     first = expert_weights(0, dims, device, torch.bfloat16)
     same = total = 0
     for w in first.values():  # correctness first: the device's codes and scales against the CPU's

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import Literal
 
 from quantkit.arch.families import WRAPPERS, Family, KVLayout, Wrapper, family_of_config
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["Adapter", "IndexerRule", "Role", "TensorInfo", "TensorSpec", "get_adapter", "text_config"]
 
@@ -75,14 +76,14 @@ _MTP_ROLES = {
 }
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
+def text_config(config: JSONObject) -> JSONObject:
     """The language model's config (unwraps `text_config` of multimodal wrappers such as kimi_k25)."""
     if config.get("model_type") in WRAPPERS and isinstance(config.get("text_config"), dict):
         return config["text_config"]
     return config
 
 
-def get_adapter(config: dict[str, Any]) -> Adapter:
+def get_adapter(config: JSONObject) -> Adapter:
     """The adapter for a `config.json`; raises QuantkitError for an architecture quantkit does not know."""
     family, wrapper, text = family_of_config(config)
     return Adapter(text, family, wrapper)
@@ -91,7 +92,7 @@ def get_adapter(config: dict[str, Any]) -> Adapter:
 class Adapter:
     """Names and shapes of one MoE decoder family, configured by its config.json."""
 
-    def __init__(self, config: dict[str, Any], record: Family, wrapper: Wrapper | None = None) -> None:
+    def __init__(self, config: JSONObject, record: Family, wrapper: Wrapper | None = None) -> None:
         self.config = config
         self.record = record
         self.wrapper = wrapper
@@ -279,7 +280,7 @@ def _mlp_shapes(hidden: int, inter: int) -> list[tuple[str, tuple[int, int]]]:
     return [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))]
 
 
-def _rest(spec: TensorSpec) -> tuple[Any, ...]:
+def _rest(spec: TensorSpec) -> tuple[tuple[int, ...], Role, int | None, int | None, bool]:
     return (spec.shape, spec.role, spec.layer, spec.expert, spec.mtp)
 
 

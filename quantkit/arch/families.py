@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = [
     "FAMILIES",
@@ -187,7 +187,7 @@ def family_for(model_type: str | None) -> Family:
     raise QuantkitError(f"config.json: unsupported model_type {model_type!r} (supported: {known})")
 
 
-def family_of_config(config: dict[str, Any]) -> tuple[Family, Wrapper | None, dict[str, Any]]:
+def family_of_config(config: JSONObject) -> tuple[Family, Wrapper | None, JSONObject]:
     """(family, wrapper or None, text-model config) of a `config.json`."""
     wrapper = WRAPPERS.get(str(config.get("model_type")))
     text = config.get("text_config") if wrapper is not None else config

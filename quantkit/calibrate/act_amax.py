@@ -12,7 +12,7 @@ layer file (`amax` metadata); the converter takes the max over each fused group 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ class AmaxHooks:
         self._hooks = [lin.register_forward_pre_hook(self._hook(name)) for name, lin in linears.items()]
 
     def _hook(self, name: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             a = float(args[0].detach().abs().amax()) if args[0].numel() else 0.0
             self.amax[name] = max(self.amax.get(name, 0.0), a)
 
@@ -59,10 +59,16 @@ def observe_expert(store: dict[int, list[float]], e: int, x: torch.Tensor, inner
         a[1] = max(a[1], float(inner.abs().amax()))
 
 
+class ExpertAmax(Protocol):
+    """`moe.ExpertMoE` as the observation uses it (moe.py imports this module): where its experts' amaxes go."""
+
+    amax: dict[int, list[float]] | None  # expert -> input amax [gate/up, down] while observing
+
+
 class LayerAmax:
     """One decoder layer's observation: hooks on its dense target Linears plus the routed experts' amaxes."""
 
-    def __init__(self, linears: dict[str, nn.Linear], moe: Any | None) -> None:  # moe: ExpertMoE (no import cycle)
+    def __init__(self, linears: dict[str, nn.Linear], moe: ExpertAmax | None) -> None:
         self.hooks = AmaxHooks(linears)
         self.moe = moe
         if moe is not None:

@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSON, JSONObject
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 __all__ = ["load_records", "render", "tokenize_windows", "calibration_tokens"]
 
-Record = dict[str, Any]
+Record = JSONObject  # one line of the calibration file: {"text": ...} or {"messages": [...]}
 
 
 def load_records(spec: str | Path) -> list[Record]:
@@ -37,7 +41,7 @@ def load_records(spec: str | Path) -> list[Record]:
     return _read_hub(str(spec))
 
 
-def _check(record: Any, where: str) -> Record:
+def _check(record: JSON, where: str) -> Record:
     if isinstance(record, dict) and isinstance(record.get("text"), str):
         return {"text": record["text"]}
     if isinstance(record, dict) and isinstance(record.get("messages"), list):
@@ -98,7 +102,7 @@ def _read_hub(name: str) -> list[Record]:
     return [_check({column: row[column]}, name) for row in ds]
 
 
-def render(record: Record, tokenizer: Any) -> str:
+def render(record: Record, tokenizer: Tokenizer) -> str:
     """The text a record stands for: chats go through the model's own chat template."""
     if "text" in record:
         return record["text"]
@@ -108,7 +112,7 @@ def render(record: Record, tokenizer: Any) -> str:
     return "\n".join(f"{m.get('role', 'user')}: {m.get('content') or ''}" for m in record["messages"])
 
 
-def tokenize_windows(records: list[Record], tokenizer: Any, seq_len: int, seed: int) -> torch.Tensor:
+def tokenize_windows(records: list[Record], tokenizer: Tokenizer, seq_len: int, seed: int) -> torch.Tensor:
     """All `seq_len` windows of the seeded-shuffled, EOS-joined corpus: int64 `[windows, seq_len]`."""
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
@@ -124,7 +128,8 @@ def tokenize_windows(records: list[Record], tokenizer: Any, seq_len: int, seed: 
     return torch.tensor(ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)
 
 
-def calibration_tokens(spec: str | Path, tokenizer: Any, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+def calibration_tokens(spec: str | Path, tokenizer: Tokenizer, samples: int, seq_len: int,
+                       seed: int = 0) -> torch.Tensor:
     """`samples` windows of `seq_len` tokens. With too little data the corpus is reshuffled and reused
     (each pass with a new seed) rather than silently running on fewer tokens than asked for."""
     records = load_records(spec)

@@ -20,11 +20,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -76,14 +77,14 @@ def _log_probs(model: PreTrainedModel, tokens: torch.Tensor, batch: int = 8) -> 
 
 
 def evaluate(models: list[Path], data: Path, reference: Path | None = None, seq_len: int = 128,
-             windows: int = 64) -> dict[str, Any]:
+             windows: int = 64) -> JSONObject:
     """Perplexity of each model on `data`; with `reference`, also KL(reference || model) and top-1."""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     first = reference or models[0]
     tokens = heldout_tokens(data, first, seq_len, windows)
     target = tokens[:, 1:]
     ref_lp = _log_probs(load_model(reference), tokens) if reference else None
-    results: dict[str, Any] = {"data": str(data), "tokens": int(target.numel()), "seq_len": seq_len, "models": {}}
+    results: JSONObject = {"data": str(data), "tokens": int(target.numel()), "seq_len": seq_len, "models": {}}
     if ref_lp is not None:
         results["reference"] = {"path": str(reference), **_ppl(ref_lp, target)}
     for path in models:
@@ -103,7 +104,7 @@ def _ppl(lp: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
 
 
 def evaluate_in_subprocess(models: list[Path], data: Path, reference: Path | None = None, seq_len: int = 128,
-                           windows: int = 64, threads: int = 2) -> dict[str, Any]:
+                           windows: int = 64, threads: int = 2) -> JSONObject:
     """`evaluate` in a fresh Python process; returns its JSON."""
     cmd = [sys.executable, "-m", "quantkit.calibrate.eval", *map(str, models), "--data", str(data),
            "--seq-len", str(seq_len), "--windows", str(windows), "--json"]
@@ -117,7 +118,7 @@ def evaluate_in_subprocess(models: list[Path], data: Path, reference: Path | Non
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def format_table(res: dict[str, Any]) -> str:
+def format_table(res: JSONObject) -> str:
     lines = [f"held-out data: {res['data']} ({res['tokens']} tokens)"]
     if "reference" in res:
         lines.append(f"{'reference':<40} ppl {res['reference']['perplexity']:8.3f}")

@@ -4,14 +4,19 @@ reference quantkit's calibrated path is measured against (tests and `bench/gptq_
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from quantkit.core.jsontypes import JSONObject
+
+if TYPE_CHECKING:
+    from quantkit.arch import Role
 
 __all__ = ["oneshot_gptq", "ignore_list"]
 
 
-def ignore_list(config: dict[str, Any], roles: set[Any]) -> list[str]:
+def ignore_list(config: JSONObject, roles: set[Role]) -> list[str]:
     """The compressed-tensors ignore list that quantizes exactly `roles` (quantkit's adapter rules)."""
     from quantkit.arch import get_adapter
 

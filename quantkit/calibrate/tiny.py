@@ -20,16 +20,22 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from quantkit.core.locations import CACHE_DIR, CALIBRATION_DATA
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
 __all__ = ["ARCHS", "CORPUS", "HELDOUT", "build_tiny", "build_tokenizer", "tiny_config", "cache_root"]
 
-REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "calibration_data" / "default.jsonl"
-HELDOUT = REPO / "calibration_data" / "heldout.jsonl"
+CORPUS = CALIBRATION_DATA / "default.jsonl"
+HELDOUT = CALIBRATION_DATA / "heldout.jsonl"
 ARCHS = ("deepseek_v3", "glm_moe_dsa", "glm4_moe")
 VOCAB = 512
 SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
@@ -45,7 +51,7 @@ STEPS, BATCH, SEQ, LR = 150, 8, 128, 3e-3
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("QUANTKIT_CACHE", REPO / ".cache" / "quantkit"))
+    return Path(os.environ.get("QUANTKIT_CACHE", CACHE_DIR / "quantkit"))
 
 
 # Bump when the training code changes in a way that changes the weights (cosmetic edits need not).
@@ -60,7 +66,7 @@ def _digest(arch: str) -> str:
     return h.hexdigest()[:12]
 
 
-def build_tokenizer(out_dir: Path) -> Any:
+def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (512 tokens) trained on the corpus, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -86,11 +92,11 @@ def build_tokenizer(out_dir: Path) -> Any:
     return fast
 
 
-def tiny_config(arch: str) -> Any:
+def tiny_config(arch: str) -> PretrainedConfig:
     """The transformers config of a tiny model (all quantized dims multiples of 32)."""
     from transformers import AutoConfig
 
-    common: dict[str, Any] = dict(
+    common: dict[str, int | float | bool] = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -142,7 +148,7 @@ def tiny_config(arch: str) -> Any:
     raise ValueError(f"unknown tiny arch {arch!r} (choose from {ARCHS})")
 
 
-def _balance_hooks(model: Any) -> tuple[list[Any], dict[int, torch.Tensor]]:
+def _balance_hooks(model: PreTrainedModel) -> tuple[list[RemovableHandle], dict[int, torch.Tensor]]:
     """Count per-router expert loads each step (DeepSeek's aux-loss-free balancing needs them)."""
     loads: dict[int, torch.Tensor] = {}
     handles = []
@@ -151,14 +157,15 @@ def _balance_hooks(model: Any) -> tuple[list[Any], dict[int, torch.Tensor]]:
         if gate is None or not hasattr(gate, "e_score_correction_bias"):
             continue
 
-        def hook(module: Any, args: Any, out: Any, i: int = i) -> None:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...],
+                 i: int = i) -> None:
             loads[i] = torch.bincount(out[2].flatten(), minlength=module.num_experts).float()
 
         handles.append(gate.register_forward_hook(hook))
     return handles, loads
 
 
-def train(arch: str, out_dir: Path, log: Any = print) -> dict[str, Any]:
+def train(arch: str, out_dir: Path, log: Callable[[str], None] = print) -> dict[str, str | int | float]:
     """Train a tiny model into `out_dir` (tokenizer included); returns training stats."""
     from transformers import AutoModelForCausalLM
 
@@ -200,7 +207,7 @@ def train(arch: str, out_dir: Path, log: Any = print) -> dict[str, Any]:
     return stats
 
 
-def build_tiny(arch: str, root: Path | None = None, log: Any = print) -> Path:
+def build_tiny(arch: str, root: Path | None = None, log: Callable[[str], None] = print) -> Path:
     """Path of the trained tiny `arch` model, training it first if the cache lacks it."""
     target = (root or cache_root() / "tiny") / f"{arch}-{_digest(arch)}"
     if (target / "training.json").exists():

@@ -9,11 +9,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from quantkit.arch import Adapter, text_config
 from quantkit.checkpoint.safetensors_header import ShardHeader
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = [
     "INDEX_NAME", "LogicalTensor", "PICKLE_SUFFIXES", "SourceView", "TensorFormat", "check_config",
@@ -64,7 +65,7 @@ class SourceView(Protocol):
     warnings: list[str]
 
     @property
-    def quantization_config(self) -> dict[str, Any]: ...
+    def quantization_config(self) -> JSONObject: ...
 
     @property
     def fp8_block_size(self) -> tuple[int, int]: ...
@@ -76,7 +77,7 @@ class SourceView(Protocol):
     def int_group_sizes(self) -> set[int]: ...
 
 
-def read_config(root: Path) -> dict[str, Any]:
+def read_config(root: Path) -> JSONObject:
     """ROOT/config.json, size-bounded and checked (`check_config`) before anything uses its values."""
     path = root / "config.json"
     config = read_json(path, _MAX_CONFIG_BYTES)
@@ -84,7 +85,7 @@ def read_config(root: Path) -> dict[str, Any]:
     return config
 
 
-def read_json(path: Path, max_bytes: int = _MAX_INDEX_BYTES) -> dict[str, Any]:
+def read_json(path: Path, max_bytes: int = _MAX_INDEX_BYTES) -> JSONObject:
     """A JSON object from `path`, refusing files larger than `max_bytes` before reading them."""
     try:
         if path.stat().st_size > max_bytes:
@@ -173,7 +174,7 @@ def check_index(root: Path, files: list[str], headers: dict[str, ShardHeader]) -
             raise QuantkitError(f"{root / f}: holds tensor {name}, which the index does not list (stale index?)")
 
 
-def check_config(path: Path, config: dict[str, Any]) -> None:
+def check_config(path: Path, config: JSONObject) -> None:
     """Counts and sizes in config.json are whole numbers in range and `quantization_config` is well formed,
     checked before any adapter reads them."""
     text = text_config(config)
@@ -197,7 +198,7 @@ def check_config(path: Path, config: dict[str, Any]) -> None:
         raise QuantkitError(f"{path}: num_hidden_layers must be a positive whole number, got {layers!r}")
 
 
-def check_config_size(path: Path, config: dict[str, Any], n_tensors: int) -> None:
+def check_config_size(path: Path, config: JSONObject, n_tensors: int) -> None:
     """The config may not imply more tensors than the shards hold: `num_hidden_layers: 1e9` fails at once
     instead of building an inventory of billions of entries."""
     text = text_config(config)

@@ -20,7 +20,7 @@ import os
 import struct
 from functools import cache, cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from quantkit.arch import Adapter, get_adapter
 from quantkit.checkpoint.checks import (
@@ -40,6 +40,7 @@ from quantkit.checkpoint.checks import (
 )
 from quantkit.checkpoint.safetensors_header import HeaderEntry, ShardHeader, read_header
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,7 +57,7 @@ _FP8_SCALES = ("weight_scale_inv", "weight_scale")  # DeepSeek-style, compressed
 class SourceCheckpoint:
     """A validated source checkpoint directory. Use `open_source` to build one."""
 
-    def __init__(self, root: Path, config: dict[str, Any], headers: dict[str, ShardHeader]) -> None:
+    def __init__(self, root: Path, config: JSONObject, headers: dict[str, ShardHeader]) -> None:
         self.root = root
         self.config = config
         self.headers = headers  # shard file name -> header, in shard order
@@ -66,7 +67,7 @@ class SourceCheckpoint:
 
     # ---- format facts ---------------------------------------------------------------------------
     @cached_property
-    def quantization_config(self) -> dict[str, Any]:
+    def quantization_config(self) -> JSONObject:
         return self.config.get("quantization_config") or {}
 
     @cached_property
@@ -294,7 +295,7 @@ def _assemble(headers: dict[str, ShardHeader]) -> dict[str, LogicalTensor]:
     return dict(sorted(logical.items(), key=lambda kv: _natural_key(kv[0])))
 
 
-def _ct_block(qc: dict[str, Any]) -> list[int] | None:
+def _ct_block(qc: JSONObject) -> list[int] | None:
     """The block of a compressed-tensors float-quantized block group (quantkit's FP8-kept units), if any."""
     for group in (qc.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
@@ -327,6 +328,6 @@ def _bytes(where: dict[str, tuple[str, HeaderEntry]], parts: dict[str, str]) -> 
     return sum(where[p][1].nbytes for p in parts)
 
 
-def _natural_key(name: str) -> list[Any]:
+def _natural_key(name: str) -> list[int | str]:
     """Sort `layers.2` before `layers.10` so processing follows the model's order."""
     return [int(tok) if tok.isdigit() else tok for tok in name.split(".")]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,6 +19,8 @@ from quantkit.arch import FAMILIES as arch_families
 from quantkit.arch import Role, TensorSpec, get_adapter
 from quantkit.checkpoint.qconfig import build_quantization_config
 from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
+from quantkit.core.jsontypes import JSON, JSONObject
+from quantkit.core.locations import PLAN_CONFIGS
 from quantkit.quant.int4 import pack_int4, quantize_rtn
 
 __all__ = ["FAMILIES", "SIZES", "tiny_config", "make_checkpoint", "wrap_multimodal", "FP8_ROLES",
@@ -39,12 +40,12 @@ SIZES = {
 }
 
 
-def tiny_config(family: str, size: str = "tiny", **overrides: Any) -> dict[str, Any]:
+def tiny_config(family: str, size: str = "tiny", **overrides: JSON) -> JSONObject:
     """A transformers-loadable config.json dict for `family`, scaled to `size`."""
     from transformers import AutoConfig
 
     hidden, inter, moe_inter, layers, experts, heads, vocab = SIZES[size]
-    kw: dict[str, Any] = dict(_COMMON, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=moe_inter,
+    kw: JSONObject = dict(_COMMON, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=moe_inter,
                               num_hidden_layers=layers, n_routed_experts=experts, num_attention_heads=heads,
                               vocab_size=vocab)
     record = arch_families[family]
@@ -112,7 +113,7 @@ def make_checkpoint(
     mtp: bool = True,
     group_size: int = 32,
     extra_files: bool = True,
-    config_overrides: dict[str, Any] | None = None,
+    config_overrides: JSONObject | None = None,
 ) -> Path:
     """Write a checkpoint directory: config.json, shards, index, tokenizer-ish files. Returns its path."""
     out = Path(out_dir)
@@ -195,12 +196,12 @@ def wrap_multimodal(src: str | Path, dst: str | Path, wrapper: str = "kimi_k25",
     _dump(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
     text = json.loads((dst / "config.json").read_text())
     qc = text.pop("quantization_config", None)
-    release = json.loads((Path(__file__).parents[1] / "plan" / "configs" / "kimi-k2.6" / "config.json").read_text())
+    release = json.loads((PLAN_CONFIGS / "kimi-k2.6" / "config.json").read_text())
     vision = dict(release["vision_config"], text_hidden_size=text["hidden_size"], hidden_size=32, vt_hidden_size=32,
                   intermediate_size=64, vt_intermediate_size=64, num_attention_heads=2, vt_num_attention_heads=2,
                   num_hidden_layers=1, vt_num_hidden_layers=1, mm_hidden_size=32, init_pos_emb_height=4,
                   init_pos_emb_width=4)
-    config: dict[str, Any] = {"model_type": record.model_type, "architectures": [record.architecture],
+    config: JSONObject = {"model_type": record.model_type, "architectures": [record.architecture],
                               "text_config": text, "vision_config": vision}
     if qc is not None:
         config["quantization_config"] = qc
@@ -229,11 +230,11 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     writer.finish()
 
 
-def _dump(path: Path, value: Any) -> None:
+def _dump(path: Path, value: JSON) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_extra_files(out: Path, config: dict[str, Any]) -> None:
+def _write_extra_files(out: Path, config: JSONObject) -> None:
     """The non-weight files a release carries and a converter must not drop."""
     _dump(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "temperature": 0.7})
     _dump(out / "tokenizer_config.json", {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast"})

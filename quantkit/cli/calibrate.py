@@ -8,8 +8,10 @@ from typing import Annotated
 
 import typer
 
-DEFAULT_HELDOUT = Path(__file__).resolve().parents[2] / "calibration_data" / "heldout.jsonl"
-DEFAULT_CALIB = Path(__file__).resolve().parents[2] / "calibration_data" / "default.jsonl"
+from quantkit.core.locations import CALIBRATION_DATA
+
+DEFAULT_HELDOUT = CALIBRATION_DATA / "heldout.jsonl"
+DEFAULT_CALIB = CALIBRATION_DATA / "default.jsonl"
 
 
 def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> None:

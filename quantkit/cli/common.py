@@ -4,12 +4,20 @@ source's config.json with errors that name the file."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["RichReporter", "console", "human_bytes", "source_config"]
 
@@ -33,7 +41,7 @@ class RichReporter:
             TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), console=console, disable=quiet, transient=False,
         )
-        self.task: Any = None
+        self.task: TaskID | None = None
 
     def __enter__(self) -> RichReporter:
         self.progress.start()
@@ -54,7 +62,7 @@ class RichReporter:
             self.progress.console.print(message)
 
 
-def source_config(src: Path) -> dict[str, Any]:
+def source_config(src: Path) -> JSONObject:
     """SRC/config.json of an architecture quantkit knows; errors name the file by its full path."""
     from quantkit.arch import get_adapter
     from quantkit.checkpoint.source import read_config

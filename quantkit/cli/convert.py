@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -13,10 +13,11 @@ from rich.table import Table
 
 from quantkit.cli.common import RichReporter, console, human_bytes, source_config
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSON
 
 __all__ = ["register"]
 
-def _emit_json(value: Any) -> None:
+def _emit_json(value: JSON) -> None:
     typer.echo(json.dumps(value, indent=2))
 
 

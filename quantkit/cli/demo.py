@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from quantkit.checkpoint.synth import make_checkpoint
 from quantkit.convert.pipeline import convert
+from quantkit.core.jsontypes import JSONObject
 from quantkit.quant.recipe import load_recipe
 from quantkit.validate.checkpoint import validate_checkpoint
 
 __all__ = ["run_demo"]
 
 
-def run_demo(out: Path, console: Console | None = None, size: str = "small") -> dict[str, Any]:
+def run_demo(out: Path, console: Console | None = None, size: str = "small") -> JSONObject:
     """Generate FP8-block GLM-5 (real tensor names, scaled down), convert to INT4, validate, print sizes."""
     console = console or Console()
     source_dir, output_dir = out / "glm5-fp8-source", out / "glm5-int4"

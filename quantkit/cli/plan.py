@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import typer
 
+from quantkit.core.jsontypes import JSON
 from quantkit.plan.memory import Assumptions
 
 _D = Assumptions()
@@ -38,7 +38,7 @@ def _assumptions(
     )
 
 
-def _print_json(obj: Any) -> None:
+def _print_json(obj: JSON) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 

@@ -5,16 +5,42 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.locations import CALIBRATION_DATA
 
-__all__ = ["served_eval"]
-
-DATA = Path(__file__).resolve().parents[2] / "calibration_data"
+__all__ = ["ServedEvalOptions", "served_eval"]
 
 
-def served_eval(opts: dict[str, Any]) -> bool:
+
+class ServedEvalOptions(TypedDict):
+    """The `quantkit eval` options a served evaluation reads (the command passes its locals())."""
+
+    endpoint: str
+    baseline: str | None
+    tasks: str
+    limit: int | None
+    record: Path | None
+    data: Path
+    threshold: float
+    max_kl: float
+    max_flip: float
+    state: Path
+    logprobs: int
+    api: str
+    tool_choice: str
+    tool_max_tokens: int
+    max_length: int
+    max_gen_toks: int
+    tokenizer: str | None
+    lm_eval_python: Path | None
+    lm_eval_include: Path | None
+    concurrency: int
+    as_json: bool
+
+
+def served_eval(opts: ServedEvalOptions) -> bool:
     """Run the served evaluation from the CLI's options; True when no task regressed."""
     from quantkit.evaluate.client import open_endpoint
     from quantkit.evaluate.lmeval import LmEvalOptions, default_python
@@ -39,7 +65,7 @@ def served_eval(opts: dict[str, Any]) -> bool:
                        model="sglang-generate" if opts["api"] == "sglang" else "local-completions")
     log = (lambda m: print(m, file=sys.stderr)) if opts["as_json"] else print
     cfg = EvalConfig(candidate=cand, baseline=base, tasks=tasks, state=opts["state"], heldout=opts["data"],
-                     toolcall_items=DATA / "toolcall.jsonl", lm_eval=lm, limit=opts["limit"],
+                     toolcall_items=CALIBRATION_DATA / "toolcall.jsonl", lm_eval=lm, limit=opts["limit"],
                      threshold=opts["threshold"], max_kl=opts["max_kl"], max_flip=opts["max_flip"],
                      logprobs=opts["logprobs"], api=opts["api"], tool_choice=opts["tool_choice"],
                      tool_max_tokens=opts["tool_max_tokens"], concurrency=opts["concurrency"], log=log)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from quantkit.checkpoint.source import open_source
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = ["inspect_source"]
 
 
-def inspect_source(path: str | Path, recipe: str | None = None) -> dict[str, Any]:
+def inspect_source(path: str | Path, recipe: str | None = None) -> JSONObject:
     """Validate the source (as `convert` would) and summarise it by role, with the planned output size."""
     source = open_source(path)  # torch-free: a bad source is reported without importing torch
     from quantkit.convert.plan import plan_conversion
@@ -18,7 +18,7 @@ def inspect_source(path: str | Path, recipe: str | None = None) -> dict[str, Any
 
     resolved = load_recipe(recipe, source.config)
     plans = plan_conversion(source, resolved)
-    roles: dict[str, dict[str, Any]] = {}
+    roles: dict[str, JSONObject] = {}
     params = 0
     for plan in (p for ps in plans.values() for p in ps):
         row = roles.setdefault(plan.role.value, {"tensors": 0, "params": 0, "source_bytes": 0, "output_bytes": 0,

@@ -11,13 +11,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from quantkit.checkpoint.source import SourceCheckpoint
 from quantkit.convert.publish import WORK_DIRS, is_finished
 from quantkit.convert.worker import journal_path
 from quantkit.core.durable import RunLock, write_json_atomic
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.core.paths import existing_ancestor, refuse_link, safe_mkdir
 from quantkit.core.progress import Reporter
 from quantkit.quant.recipe import Recipe
@@ -44,7 +44,7 @@ def check_paths(src: Path, out: Path) -> None:
         raise QuantkitError(f"{parent}: not writable (read-only file system or no permission)")
 
 
-def check_out(out: Path, identity: dict[str, Any], force: bool) -> None:
+def check_out(out: Path, identity: JSONObject, force: bool) -> None:
     """OUT must not exist (or --force); a lock left in it by a run killed right after publishing is removed."""
     if not out.exists() and not out.is_symlink():
         return
@@ -64,7 +64,7 @@ def check_out(out: Path, identity: dict[str, Any], force: bool) -> None:
     raise QuantkitError(f"{out}: already exists (use --force to replace it)")
 
 
-def resumable(partial: Path, identity: dict[str, Any]) -> bool:
+def resumable(partial: Path, identity: JSONObject) -> bool:
     """Whether the bytes already in OUT.partial count towards this run (read without the lock: an estimate)."""
     try:
         return is_finished(partial, identity) or json.loads((partial / "journal" / RUN_FILE).read_text()) == identity
@@ -72,7 +72,7 @@ def resumable(partial: Path, identity: dict[str, Any]) -> bool:
         return False
 
 
-def prepare_partial(partial: Path, source: SourceCheckpoint, identity: dict[str, Any], report: Reporter) -> set[int]:
+def prepare_partial(partial: Path, source: SourceCheckpoint, identity: JSONObject, report: Reporter) -> set[int]:
     """Create OUT.partial's work folders, or resume it when it was made by the same source and recipe."""
     run_file = partial / "journal" / RUN_FILE
     refuse_link(*(partial / d for d in WORK_DIRS), run_file)  # before anything there is read, kept or discarded
@@ -125,5 +125,5 @@ def _same_sources(partial: Path, index: int, source: SourceCheckpoint) -> bool:
         return False
 
 
-def read_journal(partial: Path, index: int) -> dict[str, Any]:
+def read_journal(partial: Path, index: int) -> JSONObject:
     return json.loads(journal_path(partial, index).read_text())

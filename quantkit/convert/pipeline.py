@@ -8,9 +8,10 @@
 
 A crash, kill -9, Ctrl-C or full disk leaves `OUT.partial/` with a journal; rerunning the same command
 resumes from the shards (and calibration layers) already finished and produces the same bytes. Every
-step after the last shard is idempotent too (see `quantkit.convert.publish`). `OUT.partial/.quantkit.lock`
-keeps a second run off the same OUT; the kernel releases it when its process dies, so a killed run's
-lock is taken over. A free-space preflight refuses a run that cannot fit before anything is written.
+step after the last shard is idempotent too (`quantkit.convert.metadata`, `quantkit.convert.publish`).
+`OUT.partial/.quantkit.lock` keeps a second run off the same OUT; the kernel releases it when its process
+dies, so a killed run's lock is taken over. A free-space preflight refuses a run that cannot fit before
+anything is written.
 
 Under torchrun every rank runs `convert` (`quantkit.convert.ranks`): each validates the source, rank 0
 alone locks, resumes or discards OUT.partial, finalizes and publishes; the pending source shards are split
@@ -21,7 +22,6 @@ writes the same bytes (docs/distributed.md).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import threading
@@ -32,21 +32,16 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from quantkit.arch import Adapter
-from quantkit.checkpoint.qconfig import build_fp4_quantization_config, build_quantization_config
 from quantkit.checkpoint.source import SourceCheckpoint, open_source
-from quantkit.checkpoint.writer import PlannedTensor, StreamingShardWriter
+from quantkit.convert.metadata import write_kv_scales, write_metadata
 from quantkit.convert.partial import check_out, check_paths, kept, prepare_partial, read_journal, resumable
 from quantkit.convert.plan import TensorAction, TensorPlan, plan_conversion
 from quantkit.convert.publish import (
-    MANIFEST_FILE,
-    RECIPE_FILE,
-    account,
-    carry_over_files,
     finalize_shards,
     is_finished,
     publish,
@@ -62,15 +57,14 @@ from quantkit.convert.ranks import (
     write_nonce,
 )
 from quantkit.convert.space import NeededBytes, planned_bytes, preflight
-from quantkit.convert.worker import ShardJob, convert_shard, part_name
+from quantkit.convert.worker import ShardJob, convert_shard
 from quantkit.core.distributed import RankFailed, World, clear_failures
-from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes, write_json_atomic, write_text_atomic
+from quantkit.core.durable import RunLock, is_no_space, no_space_error, tree_bytes
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.core.paths import make_parents
 from quantkit.core.progress import Reporter, Silent
-from quantkit.engines.record import serving_record
-from quantkit.engines.verdicts import facts_from_checkpoint, unloadable_roles
-from quantkit.hub import read_origin
+from quantkit.engines.verdicts import unloadable_roles
 from quantkit.hub.card import write_card
 from quantkit.quant.recipe import Recipe
 
@@ -78,9 +72,6 @@ if TYPE_CHECKING:  # the calibration stack imports transformers: only when a rec
     from quantkit.calibrate.result import CalibrationResult
 
 __all__ = ["ConvertResult", "Reporter", "check_device", "check_recipe_loadable", "convert"]
-
-_KV_SHARD_INDEX = 99_999  # KV scales are written as one extra part after all source shards
-
 
 @dataclass
 class ConvertResult:
@@ -134,7 +125,7 @@ def _convert(
 ) -> ConvertResult:
     """The run's steps, in the same order on every rank (see `quantkit.convert.ranks`)."""
 
-    def validate() -> tuple[SourceCheckpoint, dict[str, list[TensorPlan]], dict[str, Any]]:
+    def validate() -> tuple[SourceCheckpoint, dict[str, list[TensorPlan]], JSONObject]:
         check_paths(src, out)
         source = open_source(src)
         check_recipe_loadable(source.adapter, recipe)
@@ -179,7 +170,7 @@ class _Start(TypedDict):
 
 
 def _start(
-    source: SourceCheckpoint, identity: dict[str, Any], partial: Path, out: Path, force: bool, needed: NeededBytes,
+    source: SourceCheckpoint, identity: JSONObject, partial: Path, out: Path, force: bool, needed: NeededBytes,
     report: Reporter, world: World, lock_held: ExitStack,
 ) -> _Start:
     """Rank 0: OUT checks, free-space preflight, the run lock (kept in `lock_held` until the end), then
@@ -252,15 +243,15 @@ def _share_global_scales(source: SourceCheckpoint, plans: dict[str, list[TensorP
 
 
 def _finish(
-    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: dict[str, Any],
+    source: SourceCheckpoint, plans: dict[str, list[TensorPlan]], recipe: Recipe, identity: JSONObject,
     partial: Path, out: Path, force: bool, calibration: CalibrationResult | None,
 ) -> None:
     """Rank 0, once every shard is journaled: final shard names, metadata, card, publish."""
     journal = [read_journal(partial, i) for i in range(len(source.shard_files))]
     if calibration is not None and calibration.kv_scales:
-        journal.append(_write_kv_scales(partial, calibration.kv_scales, source.adapter))
+        journal.append(write_kv_scales(partial, calibration.kv_scales, source.adapter))
     weight_map = finalize_shards(partial, journal)
-    _write_metadata(source, recipe, plans, partial, weight_map, calibration, identity)
+    write_metadata(source, recipe, plans, partial, weight_map, calibration, identity)
     write_card(partial)  # README.md from quantkit.json; the source's README kept as README.source.md
     publish(partial, out, force)
 
@@ -320,7 +311,7 @@ def _run_jobs(source: SourceCheckpoint, jobs: list[ShardJob], calibration: Calib
     progress: SimpleQueue[int] = SimpleQueue()  # bytes done, tensor by tensor; drained by this thread
     stop = threading.Event()
     pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="quantkit-convert")
-    pending: set[Future[dict[str, Any]]] = {
+    pending: set[Future[JSONObject]] = {
         pool.submit(convert_shard, source, job, calibration, progress.put, stop.is_set) for job in jobs}
     try:
         while pending:
@@ -346,7 +337,7 @@ def _drain(queue: SimpleQueue[int], report: Reporter) -> None:
             return
 
 
-# ---- metadata -----------------------------------------------------------------------------------
+# ---- preflight ----------------------------------------------------------------------------------
 def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
     """Refuse a recipe that quantizes a role an engine builds unquantized (the output could not be served)."""
     if recipe.scheme == "nvfp4" and not recipe.calibration.dataset:  # W4A4: activation scales need data
@@ -362,84 +353,3 @@ def check_recipe_loadable(adapter: Adapter, recipe: Recipe) -> None:
 
         check_plan_loadable(recipe, adapter)
 
-
-def _write_kv_scales(partial: Path, kv_scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, Any]:
-    """KV scales as one extra part file, under the names of `quantkit.engines.verdicts.kv_scale_names`, float32 [1]."""
-    from quantkit.calibrate.kv import scale_tensors
-
-    tensors = scale_tensors(kv_scales, adapter)
-    name = part_name(_KV_SHARD_INDEX, 0)
-    planned = [PlannedTensor(n, torch.float32, (1,)) for n in tensors]
-    writer = StreamingShardWriter(partial / "parts" / name, planned, record_digest=True)
-    for n, t in tensors.items():
-        writer.write(n, t)
-    writer.finish()
-    return {"shard": "(calibrated KV-cache scales)", "parts": [name]}
-
-
-def _write_metadata(
-    source: SourceCheckpoint,
-    recipe: Recipe,
-    plans: dict[str, list[TensorPlan]],
-    partial: Path,
-    weight_map: dict[str, str],
-    calibration: CalibrationResult | None,
-    identity: dict[str, Any],
-) -> int:
-    """config.json, index, recipe, carried-over files, reports and quantkit.json (last: it marks the
-    metadata complete, see `is_finished`); returns output bytes."""
-    copied, skipped = carry_over_files(source, partial)
-    config = dict(source.config)
-    ignore = source.adapter.ignore_patterns(set(recipe.quantize_roles))
-    kv = calibration is not None and bool(calibration.kv_scales)
-    precision = None
-    if recipe.mixed:
-        from quantkit.convert.precision import mixed_metadata
-
-        config["quantization_config"], precision = mixed_metadata(source, recipe, plans, kv)
-    elif recipe.fp4 is None:
-        config["quantization_config"] = build_quantization_config(recipe.group_size, ignore, kv_cache=kv)
-    else:
-        config["quantization_config"] = build_fp4_quantization_config(recipe.scheme, ignore, kv_cache=kv)
-    write_json_atomic(partial / "config.json", config)
-    reports = calibration.write_reports(partial) if calibration is not None else []
-    write_text_atomic(partial / RECIPE_FILE, recipe.to_yaml())
-    shard_bytes = {f: (partial / f).stat().st_size for f in sorted(set(weight_map.values()))}
-    write_json_atomic(partial / "model.safetensors.index.json",
-               {"metadata": {"total_size": _data_bytes(partial, shard_bytes)}, "weight_map": weight_map})
-    tensors = account(plans, weight_map)
-    summary: dict[str, dict[str, int]] = {}
-    for plan in (p for ps in plans.values() for p in ps):
-        row = summary.setdefault(plan.action, {"tensors": 0, "source_bytes": 0, "output_bytes": 0})
-        row["tensors"] += 1
-        row["source_bytes"] += plan.source.nbytes
-        row["output_bytes"] += sum(o.nbytes for o in plan.outputs)
-    manifest = {
-        "format": "quantkit/1",
-        "tool_versions": identity["versions"],
-        "source": {"name": source.root.name, "fingerprint": identity["fingerprint"], "format": source.source_format,
-                   "bytes": source.source_bytes, "shards": len(source.shard_files), "warnings": source.warnings,
-                   "hub": read_origin(source.root)},
-        "recipe": identity["recipe"],
-        "output": {"bytes": sum(shard_bytes.values()), "shards": shard_bytes, "files_copied": copied,
-                   "files_skipped": skipped, "reports": reports},
-        "summary": summary,
-        "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
-        "tensors": tensors,
-    }
-    if precision is not None:  # per-unit plans only: a uniform recipe's quantkit.json is as it always was
-        manifest["precision"] = precision
-    write_json_atomic(partial / MANIFEST_FILE, manifest)
-    return sum(shard_bytes.values())
-
-
-def _kv_report(partial: Path, reports: list[str]) -> dict[str, Any] | None:
-    from quantkit.calibrate.result import KV_REPORT_FILE
-
-    return json.loads((partial / KV_REPORT_FILE).read_text(encoding="utf-8")) if KV_REPORT_FILE in reports else None
-
-
-def _data_bytes(partial: Path, shard_bytes: dict[str, int]) -> int:
-    from quantkit.checkpoint.safetensors_header import read_header
-
-    return sum(read_header(partial / f).data_bytes for f in shard_bytes)

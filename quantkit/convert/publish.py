@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from quantkit.checkpoint.manifest import MANIFEST_FILE, RECIPE_FILE, move_digest, write_manifest
 from quantkit.checkpoint.safetensors_header import read_header
@@ -25,6 +24,7 @@ from quantkit.checkpoint.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckp
 from quantkit.convert.plan import TensorPlan
 from quantkit.core.durable import RunLock, fsync_dir, fsync_tree
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.core.paths import copy_file, refuse_link, replace, safe_mkdir
 
 __all__ = ["MANIFEST_FILE", "RECIPE_FILE", "WORK_DIRS", "carry_over_files",
@@ -57,12 +57,12 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def run_identity(source: SourceCheckpoint, recipe_json: dict[str, Any]) -> dict[str, Any]:
+def run_identity(source: SourceCheckpoint, recipe_json: JSONObject) -> JSONObject:
     """What makes two runs the same run: resuming is allowed only between runs with equal identities."""
     return {"fingerprint": source_fingerprint(source), "recipe": recipe_json, "versions": tool_versions()}
 
 
-def is_finished(directory: Path, identity: dict[str, Any]) -> bool:
+def is_finished(directory: Path, identity: JSONObject) -> bool:
     """True when `directory` holds a complete output of this run (its quantkit.json is written last)."""
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8"))
@@ -73,7 +73,7 @@ def is_finished(directory: Path, identity: dict[str, Any]) -> bool:
     return seen == identity
 
 
-def finalize_shards(partial: Path, journal: list[dict[str, Any]]) -> dict[str, str]:
+def finalize_shards(partial: Path, journal: list[JSONObject]) -> dict[str, str]:
     """Rename part files to `model-XXXXX-of-YYYYY.safetensors` in order; return the rebuilt weight map.
 
     Idempotent: the names follow from the journal alone, and a part already renamed by an interrupted
@@ -128,9 +128,9 @@ def carry_over_files(source: SourceCheckpoint, partial: Path) -> tuple[list[str]
     return copied, skipped
 
 
-def account(plans: dict[str, list[TensorPlan]], weight_map: dict[str, str]) -> dict[str, dict[str, Any]]:
+def account(plans: dict[str, list[TensorPlan]], weight_map: dict[str, str]) -> dict[str, JSONObject]:
     """Per source tensor (physical name): what happened to it, with bytes and where it went."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, JSONObject] = {}
     for shard_plans in plans.values():
         for plan in shard_plans:
             outputs = [o.name for o in plan.outputs]

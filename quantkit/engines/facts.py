@@ -8,10 +8,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from quantkit.arch import Adapter, KVLayout, Role, get_adapter
 from quantkit.checkpoint.qconfig import is_per_unit, unit_formats_of_config
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.fp4 import WeightScheme
 from quantkit.quant.scheme import FORMATS, FormatName
 from quantkit.quant.units import list_units, unit_of
@@ -63,8 +63,8 @@ def kv_scale_names(adapter: Adapter, layer: int) -> list[str]:
 _LAYER_OF = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def facts_from_checkpoint(config: dict[str, Any], tensor_names: Iterable[str],
-                          kv_report: dict[str, Any] | None = None) -> CheckpointFacts:
+def facts_from_checkpoint(config: JSONObject, tensor_names: Iterable[str],
+                          kv_report: JSONObject | None = None) -> CheckpointFacts:
     """Facts of a written checkpoint: its config.json and the tensor names its shards hold."""
     adapter = get_adapter(config)
     names = set(tensor_names)
@@ -98,7 +98,7 @@ def facts_from_checkpoint(config: dict[str, Any], tensor_names: Iterable[str],
     )
 
 
-def scheme_of_config(qc: dict[str, Any]) -> WeightScheme:
+def scheme_of_config(qc: JSONObject) -> WeightScheme:
     """The weight scheme a compressed-tensors `quantization_config` describes (w4a16 for anything not FP4)."""
     groups = list((qc.get("config_groups") or {}).values())
     if qc.get("format") == "mxfp4-pack-quantized":
@@ -108,7 +108,7 @@ def scheme_of_config(qc: dict[str, Any]) -> WeightScheme:
     return "w4a16"
 
 
-def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[Role],
+def facts_from_recipe(config: JSONObject, group_size: int, roles: Iterable[Role],
                       kv_scales: bool, scheme: WeightScheme = "w4a16",
                       units: dict[str, FormatName] | None = None) -> CheckpointFacts:
     """Facts of the checkpoint quantkit would write for `config` with a recipe (used by the planner); `units` is a
@@ -131,7 +131,7 @@ def facts_from_recipe(config: dict[str, Any], group_size: int, roles: Iterable[R
     )
 
 
-def _worst_saturation(kv_report: dict[str, Any] | None) -> float | None:
+def _worst_saturation(kv_report: JSONObject | None) -> float | None:
     if not kv_report or not kv_report.get("layers"):
         return None
     worst = 0.0

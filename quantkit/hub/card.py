@@ -19,6 +19,7 @@ import yaml
 
 from quantkit.core.errors import QuantkitError
 from quantkit.core.jsontypes import JSON, JSONObject
+from quantkit.core.locations import REPO_DIR
 from quantkit.core.paths import open_write, refuse_link, replace
 from quantkit.engines.verdicts import ENGINES
 from quantkit.hub.card_sections import NOT_RECORDED, precision_section, serving_section
@@ -291,7 +292,7 @@ def _dataset_fingerprint(dataset: str) -> str:
     """sha256 of the calibration file when it can be found (relative paths: from the working directory)."""
     path = Path(dataset)
     if not path.is_file():
-        path = Path(__file__).resolve().parents[2] / dataset
+        path = REPO_DIR / dataset
     if not path.is_file():
         return "file not available where the card was generated"
     return "sha256 " + hashlib.sha256(path.read_bytes()).hexdigest()

@@ -7,12 +7,16 @@ torch (see `dispatch` for the rules); `reference` holds the torch oracles the te
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["w4a16_linear", "w4a16_moe", "fp8_kv_quant", "fp8_kv_dequant"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Callable[..., torch.Tensor]:
     """Import torch (via `dispatch`) only when a kernel is used, not when the CLI starts."""
     if name in __all__:
         from quantkit.kernels import dispatch

@@ -22,7 +22,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
 
 H200_SMS = 132
 QUICK_M = (1, 16, 64)
@@ -58,8 +61,11 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None), (int(stack.group(1)) if stack else None)
 
 
-def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, int],
-             arch: int) -> CompileResult:
+# one compile: kernel, argument signature, constexpr values, launch options (num_warps, ...)
+Job = tuple["JITFunction", dict[str, str], dict[str, int | float | bool], dict[str, int]]
+
+def _compile(fn: JITFunction, signature: dict[str, str], constexprs: dict[str, int | float | bool],
+             options: dict[str, int], arch: int) -> CompileResult:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,7 +81,7 @@ def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], opt
     return CompileResult(fn.__name__, label, True, time.perf_counter() - start, regs, stack)
 
 
-def _linear_jobs(m_values: tuple[int, ...], groups: tuple[int, ...]) -> list[tuple]:
+def _linear_jobs(m_values: tuple[int, ...], groups: tuple[int, ...]) -> list[Job]:
     import triton.language as tl
 
     from quantkit.kernels.bench import MODELS, linear_shapes
@@ -103,7 +109,7 @@ def _linear_jobs(m_values: tuple[int, ...], groups: tuple[int, ...]) -> list[tup
     return jobs
 
 
-def _moe_jobs(slot_counts: tuple[int, ...], groups: tuple[int, ...]) -> list[tuple]:
+def _moe_jobs(slot_counts: tuple[int, ...], groups: tuple[int, ...]) -> list[Job]:
     import triton.language as tl
 
     from quantkit.kernels.bench import MODELS
@@ -133,7 +139,7 @@ def _moe_jobs(slot_counts: tuple[int, ...], groups: tuple[int, ...]) -> list[tup
     return jobs
 
 
-def _fp8_jobs() -> list[tuple]:
+def _fp8_jobs() -> list[Job]:
     from quantkit.kernels.reference import FP8_E4M3_MAX
     from quantkit.kernels.triton_fp8kv import _fp8_dequant_kernel, _fp8_quant_kernel
 

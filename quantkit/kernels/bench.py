@@ -20,12 +20,13 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.locations import PLAN_CONFIGS
 from quantkit.kernels import dispatch, reference
+from quantkit.kernels.baselines import BASELINE_MODULES, bf16_moe_fn, sglang_moe_baseline
 
 __all__ = ["MODELS", "BenchRow", "config_dims", "linear_shapes", "moe_shapes", "run_benchmark", "run_sweep",
            "format_rows"]
@@ -40,8 +41,6 @@ MODELS: dict[str, dict[str, int]] = {
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "H800": 3350.0, "B200": 8000.0, "A100": 2039.0, "L40S": 864.0}
 GPU_M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 GPU_MOE_TOKENS = (1, 4, 8, 16, 32, 64, 128)
-BASELINE_MODULES = {"sglang": "sglang", "vllm-marlin": "vllm"}
-CONFIGS = Path(__file__).resolve().parents[1] / "plan" / "configs"
 MLA_KV_ROW = 576  # kv_lora_rank 512 + rope 64: one FP8 KV row per token and layer (Kimi K2.x, GLM-5.x)
 
 
@@ -71,7 +70,7 @@ class BenchRow:
 
 def config_dims(model: str, group_size: int = 32) -> dict[str, int]:
     """The `MODELS` entry of `model` read from its bundled `quantkit/plan/configs/<model>/config.json`."""
-    cfg = json.loads((CONFIGS / model / "config.json").read_text(encoding="utf-8"))
+    cfg = json.loads((PLAN_CONFIGS / model / "config.json").read_text(encoding="utf-8"))
     cfg = cfg.get("text_config", cfg)
     keys = {"hidden": "hidden_size", "moe_inter": "moe_intermediate_size", "experts": "n_routed_experts",
             "top_k": "num_experts_per_tok", "heads": "num_attention_heads", "q_lora": "q_lora_rank",
@@ -205,48 +204,6 @@ def bench_moe(model: str, layer: str, n: int, k: int, tokens: int, experts: int,
     return rows
 
 
-def bf16_moe_fn(x: torch.Tensor, w: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], str]:
-    """The same routed expert GEMM with BF16 weights `w [E, N, K]`, and how it is computed.
-
-    Slots are sorted by expert and their rows gathered (timed, as the W4A16 kernel's alignment is), then
-    one `torch._grouped_mm` over the expert runs; if that op is missing or disagrees with a loop of one
-    `torch.matmul` per touched expert, that loop is the baseline. Routing weights multiply the rows.
-    """
-    e, top_k = w.shape[0], ids.shape[1]
-    flat = ids.reshape(-1).to(torch.int64)
-    route = weights.reshape(-1, 1).to(x.dtype)
-
-    def rows() -> tuple[torch.Tensor, torch.Tensor]:
-        order = torch.argsort(flat, stable=True)
-        return x[order // top_k] * route[order], order
-
-    def grouped() -> torch.Tensor:
-        a, order = rows()
-        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
-        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
-
-    def loop() -> torch.Tensor:
-        a, order = rows()
-        out = torch.empty(a.shape[0], w.shape[1], device=x.device, dtype=x.dtype)
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=e).tolist()):
-            if count:
-                out[start : start + count] = a[start : start + count] @ w[expert].T
-                start += count
-        return out
-
-    reference_out = loop().float()
-    try:
-        got = grouped().float()
-    except Exception as exc:  # missing op or unsupported GPU/layout: the loop is the baseline
-        return loop, f"per-expert torch.matmul loop (torch._grouped_mm: {type(exc).__name__})"
-    err = float((got - reference_out).norm() / reference_out.norm().clamp_min(1e-12))
-    if not err < 1e-2:
-        return loop, f"per-expert torch.matmul loop (torch._grouped_mm off by {err:.1e})"
-    return grouped, "torch._grouped_mm"
-
-
 def bench_fp8_kv(rows: int, d: int, backends: list[str], device: torch.device, peak: float | None,
                  reps: int) -> list[BenchRow]:
     """FP8 KV-cache write: quantize `rows` bf16 rows of width `d` and scatter them into cache slots.
@@ -277,45 +234,6 @@ def bench_fp8_kv(rows: int, d: int, backends: list[str], device: torch.device, p
         row.baseline, row.baseline_us, row.speedup_vs_baseline = "torch-reference", torch_us, torch_us / t
         out.append(row)
     return out
-
-
-def sglang_moe_baseline(x: torch.Tensor, wp: torch.Tensor, ws: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, g: int) -> tuple[str, Callable[[], object]] | str | None:
-    """SGLang's Triton int4_w4a16 MoE GEMM on the same problem; None off-GPU, a reason string if it fails.
-
-    SGLang keeps int4 experts as uint8 `[E, N, K/2]` (two nibbles per byte, low first, offset 8), which is
-    the same nibble order as the int32 words, so a byte view of our weights is its layout.
-    """
-    if not x.is_cuda:
-        return None
-    try:
-        from sglang.srt.layers.moe.fused_moe_triton.fused_moe import invoke_fused_moe_kernel, moe_align_block_size
-    except Exception as exc:
-        return f"sglang baseline not importable: {type(exc).__name__}"
-    e, n, _ = wp.shape
-    k = x.shape[1]
-    b_u8 = wp.view(torch.uint8).reshape(e, n, k // 2)
-    config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
-    out = torch.empty(x.shape[0], ids.shape[1], n, device=x.device, dtype=x.dtype)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, config["BLOCK_SIZE_M"], e)
-
-    def run() -> None:
-        invoke_fused_moe_kernel(x, b_u8, None, out, None, ws, None, weights, ids, sorted_ids, expert_ids,
-                                num_post, True, ids.shape[1], config, compute_type=_tl_bf16(),
-                                use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
-                                use_int4_w4a16=True, per_channel_quant=False, block_shape=[0, g])
-
-    try:  # the private kernel entry changes between SGLang releases: best effort, reason recorded
-        run()
-    except Exception as exc:
-        return f"sglang baseline failed: {type(exc).__name__}: {exc}"[:200]
-    return "sglang-triton-int4", run
-
-
-def _tl_bf16():
-    import triton.language as tl
-
-    return tl.bfloat16
 
 
 def run_benchmark(device: torch.device | None = None, smoke: bool | None = None, hbm: float | None = None,

@@ -11,7 +11,7 @@ import functools
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import torch
 
@@ -35,7 +35,7 @@ def cuda_gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def load_extension(verbose: bool = False) -> Any:
+def load_extension(verbose: bool = False) -> ModuleType:
     """Compile (once per machine) and import the extension module."""
     from torch.utils.cpp_extension import load
 

@@ -44,14 +44,18 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
 from quantkit.engines.pd import DECODE_ENV, ENV, MODE
 from quantkit.serving.pd.staging import DecodeRow, PageStaging, StagedLayer, dsa_pages_to_fp8, mla_pages_to_fp8
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DECODE_ENV", "ENV", "MODE", "STAGING_ENV", "DecodeTarget", "PluginNotReady", "decode_target",
            "dsa_pages_to_fp8", "enabled", "hook_table", "mla_pages_to_fp8", "register"]
@@ -142,6 +146,52 @@ class _State:
 
 
 _STATE = _State()
+
+
+# What the hooks read of SGLang's objects (SGLang is imported only inside the hooks and register()).
+class _KVPool(Protocol):
+    """An `MLATokenToKVPool` (checked with isinstance before any of this is read)."""
+
+    page_size: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    start_layer: int
+    layer_num: int
+    use_dsa: bool
+    store_dtype: torch.dtype
+    kv_buffer: list[torch.Tensor]
+
+
+class _ModelConfig(Protocol):
+    num_hidden_layers: int
+
+
+class _Scheduler(Protocol):
+    model_config: _ModelConfig
+
+
+class _PrefillQueue(Protocol):
+    """`PrefillBootstrapQueue`: the prefill's KV pools and its scheduler."""
+
+    token_to_kv_pool: _KVPool
+    draft_token_to_kv_pool: _KVPool | None
+    scheduler: _Scheduler
+
+
+class _KVArgs(Protocol):
+    """The `KVArgs` a KV manager is built from."""
+
+    kv_data_ptrs: list[int]
+    kv_cache_dtype_str: str
+
+
+class _KVManager(Protocol):
+    """A `CommonKVManager` (Mooncake's on the prefill), carrying the plugin's staging once it is built."""
+
+    _quantkit_pd_staging: PageStaging
+
+
+Hook = Callable[..., object]  # an SGLang method's replacement, called with the original (AROUND) or before it
 _PREFILL = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 _POOL = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.get_contiguous_buf_infos"
 _MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager.__init__"
@@ -156,11 +206,11 @@ def _staging_tokens() -> int:
     return int(raw)
 
 
-def _pools(queue: Any) -> list[Any]:
+def _pools(queue: _PrefillQueue) -> list[_KVPool]:
     return [p for p in (queue.token_to_kv_pool, queue.draft_token_to_kv_pool) if p is not None]
 
 
-def _build(queue: Any) -> PageStaging:
+def _build(queue: _PrefillQueue) -> PageStaging:
     """The staging for this prefill's pools, or a one-line PluginNotReady saying why not."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -204,11 +254,11 @@ def _build(queue: Any) -> PageStaging:
     return staging
 
 
-def _draft_first_layer(queue: Any) -> int:
+def _draft_first_layer(queue: _PrefillQueue) -> int:
     return int(queue.scheduler.model_config.num_hidden_layers)  # the NextN draft layer's id in the checkpoint
 
 
-def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+def _init_kv_manager(original: Callable[..., object], queue: _PrefillQueue, *args: object, **kwargs: object) -> object:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     missing = [t for t, _, _ in hook_table() if t not in HookRegistry._patched]
@@ -223,7 +273,8 @@ def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
             _STATE.building.clear()
 
 
-def _pool_buf_infos(original: Any, pool: Any) -> tuple[list[int], list[int], list[int]]:
+def _pool_buf_infos(original: Callable[[_KVPool], tuple[list[int], list[int], list[int]]],
+                    pool: _KVPool) -> tuple[list[int], list[int], list[int]]:
     entry = _STATE.building.get(id(pool))
     if entry is None:
         return original(pool)
@@ -232,7 +283,8 @@ def _pool_buf_infos(original: Any, pool: Any) -> tuple[list[int], list[int], lis
     return ptrs[first:first + count], lens[first:first + count], items[first:first + count]
 
 
-def _before_manager_init(manager: Any, args: Any, disaggregation_mode: Any, *rest: Any, **kwargs: Any) -> None:
+def _before_manager_init(manager: _KVManager, args: _KVArgs, disaggregation_mode: object, *rest: object,
+                         **kwargs: object) -> None:
     staging = _STATE.staging
     if not _STATE.building or staging is None or getattr(disaggregation_mode, "value", "") != "prefill":
         return
@@ -246,9 +298,9 @@ def _before_manager_init(manager: Any, args: Any, disaggregation_mode: Any, *res
     manager._quantkit_pd_staging = staging
 
 
-def _send_kvcache(original: Any, manager: Any, session: str, prefill_kv_indices: np.ndarray,
-                  dst_kv_ptrs: list[int], dst_kv_indices: np.ndarray, executor: Any, *args: Any,
-                  **kwargs: Any) -> int:
+def _send_kvcache(original: Callable[..., int], manager: _KVManager, session: str, prefill_kv_indices: np.ndarray,
+                  dst_kv_ptrs: list[int], dst_kv_indices: np.ndarray, executor: object, *args: object,
+                  **kwargs: object) -> int:
     staging: PageStaging | None = getattr(manager, "_quantkit_pd_staging", None)
     if staging is None:
         return original(manager, session, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor, *args,
@@ -265,14 +317,14 @@ def _send_kvcache(original: Any, manager: Any, session: str, prefill_kv_indices:
         manager, session, slots, dst_kv_ptrs, dst, executor, *args, **kwargs))
 
 
-def _send_kvcache_dcp(original: Any, manager: Any, *args: Any, **kwargs: Any) -> int:
+def _send_kvcache_dcp(original: Callable[..., int], manager: _KVManager, *args: object, **kwargs: object) -> int:
     if getattr(manager, "_quantkit_pd_staging", None) is not None:
         logger.error("quantkit PD KV: DCP relayout is not supported by the BF16 -> FP8 hand-off: not sent")
         return -1
     return original(manager, *args, **kwargs)
 
 
-def hook_table() -> list[tuple[str, Any, HookKind]]:
+def hook_table() -> list[tuple[str, Hook, HookKind]]:
     """(SGLang target, hook, HookRegistry kind) for every hook the plugin installs."""
     return [(_PREFILL, _init_kv_manager, "AROUND"), (_POOL, _pool_buf_infos, "AROUND"),
             (_MANAGER, _before_manager_init, "BEFORE"), (_SEND, _send_kvcache, "AROUND"),
