@@ -26,6 +26,8 @@ def test_signature_is_the_one_other_code_depends_on() -> None:
         ("context", 8192),
         ("weights", "int4"),
         ("kv", "fp8"),
+        ("backend", None),
+        ("pool_tokens", 0),
     ]
     assert isinstance(decode_step_seconds("glm-5.2"), float)
 
