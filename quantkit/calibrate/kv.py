@@ -12,6 +12,9 @@ The statistics are collected by handing the transformers attention a duck-typed 
 absolute maximum and a fine log2 histogram of |value|, from which the fraction of cached values that
 would saturate (|x| > 448 s) or underflow to zero (|x| < s * 2^-10) in e4m3 is read for any scale s —
 both at the calibrated scale and at 1.0, the scale an engine uses when the checkpoint has none.
+
+Which of the two a checkpoint ships (`--kv-scales auto|calibrated|unit`) is `quantkit.engines.kv_choice`'s rule:
+`resolve_scales` applies it (unit = every scale 1.0) and `kv_report` records the choice and why.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from quantkit.core.errors import QuantkitError
 __all__ = [
     "FP8_MAX",
     "KVStats",
+    "resolve_scales",
     "StatCache",
     "KV_CACHE_SCHEME",
     "fp8_fractions_exact",
@@ -195,9 +199,33 @@ class StatCache:
         return 0
 
 
+# ------------------------------------------------------------------------------------------- the choice
+def worst_saturation_at_1(stats: dict[int, KVStats]) -> float:
+    """The largest fraction of one layer's cached values that saturates at scale 1.0 (|x| > 448)."""
+    return max((t.fractions(1.0)["saturated"] for s in stats.values() for t in (s.k, s.v) if t.total), default=0.0)
+
+
+def resolve_scales(stats: dict[int, KVStats], layout: str,
+                   requested: str = "auto") -> tuple[dict[int, tuple[float, float]] | None, dict[str, str]]:
+    """The (k, v) scales to write per layer and the report's `scales` block: `quantkit.engines.kv_choice`'s rule
+    (`requested` = auto | calibrated | unit) on this run's statistics. DSA: none (the engines scale tiles)."""
+    from quantkit.arch import KVLayout
+    from quantkit.engines.kv_choice import choose_scale_mode
+
+    if not stats or layout == "dsa":
+        return None, {"written": "none", "why": "DSA: the engines compute per-tile scales at write time"}
+    if requested not in ("auto", "calibrated", "unit"):
+        raise QuantkitError(f"--kv-scales {requested!r}: expected auto, calibrated or unit")
+    mode, why = choose_scale_mode(KVLayout(layout), requested, worst_saturation_at_1(stats))  # type: ignore[arg-type]
+    if mode == "unit":
+        return {layer: (1.0, 1.0) for layer in sorted(stats)}, {"written": "unit", "why": why}
+    return {layer: s.scales() or (1.0, 1.0) for layer, s in sorted(stats.items())}, {"written": mode, "why": why}
+
+
 # ------------------------------------------------------------------------------------------- reports
-def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
-    """The KV report written next to the checkpoint (per layer; worst layers first in `summary`)."""
+def kv_report(stats: dict[int, KVStats], layout: str, scales: dict[str, str] | None = None) -> dict[str, Any]:
+    """The KV report written next to the checkpoint (per layer; worst layers first in `summary`); `scales` says
+    which scales the checkpoint ships (`resolve_scales`)."""
     layers = [s.report(i) for i, s in sorted(stats.items())]
     note = {
         "mla": "one scale per layer from max(|latent after kv_a_layernorm|, |k_pe after rope|)/448; k_scale == v_scale",
@@ -205,7 +233,11 @@ def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
         "dsa": "DSA engines compute per-tile FP8 scales at write time; checkpoint scales would be ignored, "
         "so none are written. Statistics below are for information.",
     }[layout]
-    return {"layout": layout, "fp8": "float8_e4m3fn", "fp8_max": FP8_MAX, "note": note, "layers": layers}
+    out: dict[str, Any] = {"layout": layout, "fp8": "float8_e4m3fn", "fp8_max": FP8_MAX, "note": note}
+    if scales is not None:
+        out["scales"] = scales
+    out["layers"] = layers
+    return out
 
 
 def scale_tensors(scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, torch.Tensor]:
