@@ -1,8 +1,10 @@
-"""GPU check section `attention` (issue 28): MLA decode attention on the lent GPU against the planner's term.
+"""attention (issue 28): MLA decode attention on the lent GPU against the planner's attention term.
 
-    run(ctx, rep)                                   # from the gpu_check driver (ctx: out, work, smoke, budget_s,
-                                                    # check_budget; rep: figures, notes, device, status, save)
-    python bench/gpu_sections/attention.py --smoke --out DIR   # the same code at tiny sizes on the CPU
+    python bench/gpu_sections/attention.py [--smoke] --out DIR   # stand-alone; the driver calls run(ctx, rep)
+
+Registry line (gpu_sections/__init__.py): Section("attention", "MLA decode attention: pool upcast and SGLang's
+Triton kernel vs the planner", 90, 240). `--smoke` runs the same code at tiny sizes on the CPU (the kernel under
+the Triton interpreter).
 
 Figures (each row also carries the planner's prediction, computed before the timing, and the ratio):
 - `pool_upcast`: what SGLang's fa3 and flashinfer MLA backends do with FP8 KV on every layer of every decode
@@ -25,16 +27,33 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for gpu_sections.common stand-alone
+from gpu_sections.common import (  # noqa: E402
+    REPO,
+    Context,
+    Report,
+    SectionData,
+    device_name,
+    fmt,
+    sync,
+    torch_device,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantkit.plan.attention import Kernel
+    from quantkit.plan.catalog import GPU
+    from quantkit.plan.throughput import DecodeFit
+
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -48,19 +67,12 @@ SMOKE = {"pools": {"smoke": 4096}, "contexts": (256,), "batches": (1, 2), "heads
          "rope": 32}
 
 
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn: Any, device: Any, repeats: int) -> float:
+def _time(fn: Any, device: torch.device, repeats: int) -> float:
     """Median seconds of `fn()` (CUDA events on a GPU, wall clock on the CPU), after one warm-up call."""
     import torch
 
     fn()
-    _sync(device)
+    sync(device)
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -77,7 +89,7 @@ def _time(fn: Any, device: Any, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _gpu(device: Any) -> Any:
+def _gpu(device: torch.device) -> GPU:
     """The catalog entry of the GPU (an H200 on the CPU smoke run)."""
     import torch
 
@@ -128,7 +140,7 @@ def load_sglang_decode() -> tuple[Any, str]:
     return sys.modules["sglang.kernels.ops.attention.decode_attention"].decode_attention_fwd, str(folder)
 
 
-def pool_rows(ctx: Any, rep: Any, device: Any, gpu: Any) -> None:
+def pool_rows(ctx: Context, rep: Report, device: torch.device) -> None:
     import torch
 
     from quantkit.plan.attention import C_POOL_S
@@ -157,7 +169,7 @@ def _splits(batch: int, context: int, heads: int, sms: int) -> int:
     return triton_splits(batch, context, heads, sms)
 
 
-def triton_rows(ctx: Any, rep: Any, device: Any, gpu: Any) -> None:
+def triton_rows(ctx: Context, rep: Report, device: torch.device, gpu: GPU) -> None:
     import torch
 
     from quantkit.plan.attention import kernel
@@ -187,9 +199,9 @@ def triton_rows(ctx: Any, rep: Any, device: Any, gpu: Any) -> None:
                     ctx.check_budget(margin=10)
 
 
-def _one(decode: Any, device: Any, gpu: Any, heads: int, latent: int, rope: int, dtype: Any, kv: str,
-         row_bytes: int, batch: int, context: int, sms: int, fit: Any, triton: Any, fa3: Any, model: str,
-         smoke: bool) -> dict[str, Any]:
+def _one(decode: Any, device: torch.device, gpu: GPU, heads: int, latent: int, rope: int, dtype: torch.dtype,
+         kv: str, row_bytes: int, batch: int, context: int, sms: int, fit: DecodeFit, triton: Kernel, fa3: Kernel,
+         model: str, smoke: bool) -> dict[str, Any]:
     import torch
 
     from quantkit.plan.attention import layer_seconds
@@ -197,7 +209,7 @@ def _one(decode: Any, device: Any, gpu: Any, heads: int, latent: int, rope: int,
     predicted = layer_seconds(triton, gpu, "mla", kv, heads, latent, row_bytes, batch, context, 0, 0, 0.0, fit.c_fp8)
     lk = latent + rope
     tokens = batch * context
-    k_buf = torch.randn(tokens, 1, lk, device=device).to(dtype)
+    k_buf = torch.randn(tokens, 1, lk, device=device, dtype=torch.bfloat16).to(dtype)
     q = torch.randn(batch, heads, lk, device=device, dtype=torch.bfloat16)
     o = torch.empty(batch, heads, latent, device=device, dtype=torch.bfloat16)
     splits = _splits(batch, context, heads, sms)
@@ -221,63 +233,52 @@ def _one(decode: Any, device: Any, gpu: Any, heads: int, latent: int, rope: int,
             "fa3_modelled_us_at_kimi_fp8_pool": fa3_modelled * 1e6}
 
 
-def run(ctx: Any, rep: Any) -> None:
+def run(ctx: Context, rep: Report) -> None:
     """The section: pool conversion and copy (torch), then SGLang's Triton MLA decode; rows saved as they come."""
-    import torch
-
+    device = torch_device(ctx)
+    rep.device = device_name(device)
     if ctx.smoke:
-        device = torch.device("cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        rep.notes.append("smoke: CPU timings of tiny shapes under the Triton interpreter; they mean nothing")
-    elif not torch.cuda.is_available():
-        rep.status, rep.skip_reason = "skipped", "no CUDA device visible to torch (use --smoke on a CPU machine)"
-        return
-    else:
-        device = torch.device("cuda")
-    rep.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        rep.notes.append("smoke: CPU timings of tiny shapes (the kernel under the Triton interpreter): no meaning")
     gpu = _gpu(device)
     rep.figures["gpu_catalog_key"] = gpu.key
     rep.notes.append("predicted_* come from quantkit.plan.attention (published figures; docs/planner.md) before "
                      "anything is timed; measured_over_predicted is the planner's error on this GPU")
-    pool_rows(ctx, rep, device, gpu)
+    pool_rows(ctx, rep, device)
     triton_rows(ctx, rep, device, gpu)
 
 
-class _Report:
-    """A stand-alone report with the fields the driver's report has (for `--smoke` runs of this file)."""
-
-    def __init__(self, out: Path, smoke: bool) -> None:
-        self.out, self.smoke, self.status, self.skip_reason = out, smoke, "running", None
-        self.device, self.notes, self.figures = "unknown", [], {}
-
-    def save(self) -> None:
-        data = {k: v for k, v in vars(self).items() if k != "out"}
-        (self.out / "attention.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-
-
-class _Context:
-    def __init__(self, out: Path, smoke: bool, budget_s: float) -> None:
-        self.out, self.work, self.smoke, self.budget_s, self.start = out, out, smoke, budget_s, time.monotonic()
-
-    def check_budget(self, margin: float = 0.0) -> None:
-        if time.monotonic() - self.start > self.budget_s - margin:
-            raise TimeoutError(f"time box of {self.budget_s:.0f} s reached")
+def summary_lines(data: SectionData) -> list[str]:
+    fig = data["figures"]
+    lines = ["Pool upcast (fa3 / flashinfer FP8 MLA, per layer and step) vs the planner's C_POOL:", "",
+             "| pool | tokens | upcast us | copy us | model us | measured / model |", "|---|---:|---:|---:|---:|---:|"]
+    for r in fig.get("pool_upcast", []):
+        lines.append(f"| {r['pool']} | {r['tokens']:,} | {fmt(r['upcast_us'])} | {fmt(r['copy_into_us'])} | "
+                     f"{fmt(r['predicted_us'])} | {fmt(r['measured_over_predicted'], '.2f')} |")
+    rows = fig.get("triton_mla", [])
+    if rows:
+        lines += ["", "SGLang Triton MLA decode per layer vs the planner's triton term (fa3 modelled at Kimi's pool):",
+                  "", "| heads | kv | context | batch | splits | us | % roofline | model us | measured / model | "
+                  "fa3 model us |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['heads']} | {r['kv']} | {r['context']} | {r['batch']} | {r['splits']} | "
+                         f"{fmt(r['us'])} | {fmt(100 * r['roofline'])} | {fmt(r['predicted_us'])} | "
+                         f"{fmt(r['measured_over_predicted'], '.2f')} | {fmt(r['fa3_modelled_us_at_kimi_fp8_pool'])} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--budget-s", type=float, default=240.0)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    rep = _Report(a.out, a.smoke)
-    run(_Context(a.out, a.smoke, a.budget_s), rep)
-    if rep.status == "running":
-        rep.status = "ok"
+    rep = Report("attention", "MLA decode attention vs the planner", a.smoke, a.out)
+    run(Context(a.out, a.out, a.smoke, a.budget_s), rep)
+    rep.status = "ok" if rep.status == "running" else rep.status
     rep.save()
-    print(f"attention: {rep.status} ({len(rep.figures.get('pool_upcast', []))} pool rows, "
-          f"{len(rep.figures.get('triton_mla', []))} triton rows)")
+    print("\n".join(summary_lines({"figures": rep.figures})))
     return 0
 
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from quantkit.arch import KVLayout, get_adapter
-from quantkit.engines.kv_choice import MEASURED, KVScaleMode, kv_choice_record, sglang_mla_backend
+from quantkit.engines.kv_choice import (
+    MEASURED,
+    KVScaleMode,
+    RequestedScales,
+    choose_scale_mode,
+    kv_choice_record,
+    sglang_mla_backend,
+)
 from quantkit.engines.pd import gpu_arch
 from quantkit.plan.attention import consistent_backends, kernel
 from quantkit.plan.catalog import GPU
@@ -16,7 +23,8 @@ from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.memory import max_concurrent_requests
 from quantkit.plan.throughput import decode_tok_s, reference_backend
 
-__all__ = ["CONTEXTS", "attention_table", "attention_text", "kv_options_text", "kv_speed_options", "pinned_backend"]
+__all__ = ["CONTEXTS", "attention_table", "attention_text", "kv_options_text", "kv_speed_options", "pd_kv_options",
+           "pinned_backend", "record_speed"]
 
 CONTEXTS = (8192, 32768, 131072)
 
@@ -125,3 +133,33 @@ def kv_options_text(config: dict[str, Any], speed: dict[str, Any] | None, shippe
         lines.append(f"  unit - calibrated: KL {m.delta:+.2e} (+- {m.se:.1e}, threshold {m.threshold:.2e}), "
                      f"speed {speed['speed_delta_unit_over_calibrated']:+.1%} at {speed['requests']} requests")
     return "\n".join(lines)
+
+
+def record_speed(config: dict[str, Any], group_size: int, gpu_key: str = "h200", tp: int = 8,
+                 context: int = CONTEXTS[1]) -> dict[str, Any] | None:
+    """The record's `kv_choice.speed`: both KV-scale options of quantkit's INT4 output of `config` on `tp` x
+    `gpu_key` at `context` (one request, and as many as fit at FP8 KV), from the planner's default assumptions."""
+    from quantkit.plan.catalog import get_gpu
+    from quantkit.plan.inventory import size_model
+    from quantkit.plan.memory import Assumptions, plan_memory
+
+    gpu, plan, a = get_gpu(gpu_key), PrecisionPlan("int4", group_size), Assumptions()
+    adapter = get_adapter(config)
+    mem = plan_memory(size_model(config, plan), adapter, config, gpu, tp, "fp8", a)
+    requests = max(1, max_concurrent_requests(mem.node_kv_capacity_tokens, context, a.page_size, a.headroom_tokens))
+    return kv_speed_options(config, plan, gpu, tp, mem.kv_capacity_tokens, requests, context)
+
+
+def pd_kv_options(config: dict[str, Any], decode: dict[str, Any], gpu: GPU, group_size: int,
+                  kv_scales: RequestedScales = "auto") -> dict[str, Any] | None:
+    """`plan --pd`: both KV-scale options for the decode row of a `plan_compare` table (measured KL, modelled
+    speed at the row's context and request count) and which one the printed pair ships."""
+    layout = get_adapter(config).kv_layout
+    if layout == KVLayout.DSA or decode["kv"] != "fp8":
+        return None
+    shipped = choose_scale_mode(layout, kv_scales)[0]
+    weights = str(decode["weights"]).split("-")[0]
+    plan = PrecisionPlan(weights if weights in ("bf16", "fp8", "int4", "nvfp4", "mxfp4") else "int4", group_size)
+    speed = kv_speed_options(config, plan, gpu, int(decode["assumptions"]["tp"]), int(decode["kv_capacity_tokens"]),
+                             max(1, int(decode["max_concurrent_requests"])), int(decode["context"]))
+    return {**(kv_choice_record(layout, shipped, gpu_arch(gpu.key)) or {}), "speed": speed}
