@@ -10,7 +10,8 @@ from quantkit.engines.kv_choice import UNIT_BACKEND
 from quantkit.engines.pd import gpu_arch
 from quantkit.plan.attention import C_POOL_S, FP8_WRITE_FLASHMLA_S, consistent_backends, triton_splits
 from quantkit.plan.catalog import get_gpu
-from quantkit.plan.throughput import PRODUCTION_KV, decode_gain, decode_step_seconds, fit_decode
+from quantkit.plan.decode_fit import PRODUCTION_KV, fit_decode
+from quantkit.plan.throughput import decode_gain, decode_step_seconds
 
 # Held out: SGLang trtllm_mla on 8 x B200, DeepSeek-R1 (FP8 weights), FP8 vs FP16 KV at the achieved concurrency
 # (https://github.com/sgl-project/sglang/pull/8638): (input + output / 2, requests, tok/s FP16 KV, tok/s FP8 KV)
@@ -27,12 +28,12 @@ def _ratio(model: str, gpu: str, weights: str, batch: int, context: int, backend
 
 def test_the_fit_reproduces_the_kimi_figures_it_was_fitted_on() -> None:
     kv = PRODUCTION_KV
-    assert _ratio(kv["model"], "h200", "int4", 1, kv["context_1"], "flashmla") == pytest.approx(
-        1 / (1 + kv["slower_at_1"]), rel=1e-9)
-    n16, n8, c = kv["requests"]["bf16"], kv["requests"]["fp8"], kv["context_full"]
-    gain = (n8 / decode_step_seconds(kv["model"], "h200", 8, n8, c, "int4", "fp8", "flashmla")) / (
-        n16 / decode_step_seconds(kv["model"], "h200", 8, n16, c, "int4", "bf16", "flashmla"))
-    assert gain == pytest.approx(1 + kv["gain"], rel=1e-9)
+    assert _ratio(kv.model, "h200", "int4", 1, kv.context_1, "flashmla") == pytest.approx(
+        1 / (1 + kv.slower_at_1), rel=1e-9)
+    n16, n8, c = kv.requests_bf16, kv.requests_fp8, kv.context_full
+    gain = (n8 / decode_step_seconds(kv.model, "h200", 8, n8, c, "int4", "fp8", "flashmla")) / (
+        n16 / decode_step_seconds(kv.model, "h200", 8, n16, c, "int4", "bf16", "flashmla"))
+    assert gain == pytest.approx(1 + kv.gain, rel=1e-9)
 
 
 def test_the_fitted_fp8_terms_are_physical() -> None:

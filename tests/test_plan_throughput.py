@@ -10,10 +10,11 @@ import pytest
 
 from quantkit.core.errors import QuantkitError
 from quantkit.plan.catalog import get_gpu
+from quantkit.plan.decode_fit import fit_decode
 from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.models import resolve_model
 from quantkit.plan.planner import Deployment, plan_one
-from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds, fit_decode, prefill_tok_s
+from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds, prefill_tok_s
 
 
 def test_signature_is_the_one_other_code_depends_on() -> None:

@@ -17,9 +17,10 @@ source, the decode on quantkit's INT4 output, with attention backends that agree
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from quantkit.arch import KVLayout
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.kv_backends import GpuArch, sglang_backend, sglang_effective_scale
 from quantkit.engines.verdicts import CheckpointFacts, engine_verdicts
 
@@ -95,11 +96,11 @@ class PDPair:
     gives_up: str  # what the prefill gives up against the production split (BF16 KV on prefill)
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PDPair:
+    def from_dict(cls, data: JSONObject) -> PDPair:
         return cls(PDSide(**data["prefill"]), PDSide(**data["decode"]), PDRouter(**data["router"]),
                    str(data.get("gives_up", "")), list(data.get("notes", [])))
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from quantkit.arch import KVLayout
 from quantkit.checkpoint.manifest import MANIFEST_FILE
 from quantkit.core.durable import write_json_atomic
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.facts import CheckpointFacts, read_checkpoint_facts
 from quantkit.engines.kv_choice import kv_choice_record
 from quantkit.engines.pd import pd_pair, pd_split
@@ -18,7 +18,7 @@ from quantkit.engines.verdicts import engine_verdicts
 __all__ = ["serving_record", "update_serving_record"]
 
 
-def serving_record(facts: CheckpointFacts, kv_speed: dict[str, Any] | None = None) -> dict[str, Any]:
+def serving_record(facts: CheckpointFacts, kv_speed: JSONObject | None = None) -> JSONObject:
     """The `serving` block of quantkit.json: per engine version, verdict, args, KV use, notes, launch line;
     `sglang.pd` is the prefill/decode pair SGLang accepts (quantkit/engines/pd.py); `sglang.kv_choice` the KV
     scale shipped and both options with their measured KL (quantkit/engines/kv_choice.py) and, when the caller
@@ -34,7 +34,7 @@ def serving_record(facts: CheckpointFacts, kv_speed: dict[str, Any] | None = Non
     return record
 
 
-def update_serving_record(ckpt: Path, kv_speed: dict[str, Any] | None = None) -> list[str]:
+def update_serving_record(ckpt: Path, kv_speed: JSONObject | None = None) -> list[str]:
     """Recompute `serving` in a checkpoint's quantkit.json (after KV scales were added); returns files written."""
     path = ckpt / MANIFEST_FILE
     if not path.exists():

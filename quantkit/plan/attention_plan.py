@@ -5,9 +5,8 @@ fastest; and, for `plan --pd` / `convert`, the two KV-scale options side by side
 
 from __future__ import annotations
 
-from typing import Any
-
 from quantkit.arch import KVLayout, get_adapter
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.kv_choice import (
     MEASURED,
     KVScaleMode,
@@ -29,7 +28,7 @@ __all__ = ["CONTEXTS", "attention_table", "attention_text", "kv_options_text", "
 CONTEXTS = (8192, 32768, 131072)
 
 
-def pinned_backend(config: dict[str, Any], kv: str, mode: KVScaleMode, gpu: GPU) -> str:
+def pinned_backend(config: JSONObject, kv: str, mode: KVScaleMode, gpu: GPU) -> str:
     """The backend the serving record pins for this model's FP8 KV on the GPU (BF16 KV: the planner's reference)."""
     layout = get_adapter(config).kv_layout
     if kv == "fp8" and layout == KVLayout.MLA:
@@ -37,8 +36,8 @@ def pinned_backend(config: dict[str, Any], kv: str, mode: KVScaleMode, gpu: GPU)
     return reference_backend(layout.value, gpu)
 
 
-def attention_table(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, kv: str, capacity: int,
-                    node_capacity: int, page_size: int, headroom: int, mode: KVScaleMode) -> dict[str, Any]:
+def attention_table(config: JSONObject, plan: PrecisionPlan, gpu: GPU, tp: int, kv: str, capacity: int,
+                    node_capacity: int, page_size: int, headroom: int, mode: KVScaleMode) -> JSONObject:
     """tok/s per consistent backend and context, at one request and at the most that fit (`capacity`: KV tokens
     per GPU, for fa3 / flashinfer's pool conversion)."""
     layout = get_adapter(config).kv_layout.value
@@ -68,7 +67,7 @@ def attention_table(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: i
             "fastest_other_scale": fastest(alt), "requests": requests, "by_backend": rows, "constants": constants}
 
 
-def attention_text(table: dict[str, Any]) -> str:
+def attention_text(table: JSONObject) -> str:
     """The table as text: one line per backend, tok/s at 1 request / at the most that fit per context."""
     heads = "  ".join(f"{c // 1024}K: 1 / {table['requests'][str(c)]} req" for c in CONTEXTS)
     lines = [f"  decode by attention backend (KV scale {table['kv_scale']}; tok/s, model; {heads}):"]
@@ -86,21 +85,21 @@ def attention_text(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _other(table: dict[str, Any]) -> list[str]:
+def _other(table: JSONObject) -> list[str]:
     names = list(table["by_backend"])
     first = names.index(table["fastest_other_scale"]) if table["fastest_other_scale"] in names else len(names)
     return names[first:]
 
 
-def kv_speed_options(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, capacity: int,
-                     requests: int, context: int = CONTEXTS[1]) -> dict[str, Any] | None:
+def kv_speed_options(config: JSONObject, plan: PrecisionPlan, gpu: GPU, tp: int, capacity: int,
+                     requests: int, context: int = CONTEXTS[1]) -> JSONObject | None:
     """Both KV-scale options of an MLA / GQA model at `context`: backend, modelled tok/s at 1 request and at
     `requests`, and the speed delta of unit over calibrated (the record's `kv_choice.speed`)."""
     layout = get_adapter(config).kv_layout
     if layout == KVLayout.DSA:
         return None
     arch = gpu_arch(gpu.key)
-    out: dict[str, Any] = {"gpu": gpu.key, "context": context, "requests": requests}
+    out: JSONObject = {"gpu": gpu.key, "context": context, "requests": requests}
     for mode in ("calibrated", "unit"):
         if layout == KVLayout.MLA:
             backend, kv = sglang_mla_backend(mode, arch), "fp8"  # type: ignore[arg-type]
@@ -113,7 +112,7 @@ def kv_speed_options(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: 
     return out
 
 
-def kv_options_text(config: dict[str, Any], speed: dict[str, Any] | None, shipped: KVScaleMode) -> str:
+def kv_options_text(config: JSONObject, speed: JSONObject | None, shipped: KVScaleMode) -> str:
     """Both options in one line each: backend, measured KL, modelled tok/s (used by `plan --pd`)."""
     layout = get_adapter(config).kv_layout
     choice = kv_choice_record(layout, shipped)
@@ -135,8 +134,8 @@ def kv_options_text(config: dict[str, Any], speed: dict[str, Any] | None, shippe
     return "\n".join(lines)
 
 
-def record_speed(config: dict[str, Any], group_size: int, gpu_key: str = "h200", tp: int = 8,
-                 context: int = CONTEXTS[1]) -> dict[str, Any] | None:
+def record_speed(config: JSONObject, group_size: int, gpu_key: str = "h200", tp: int = 8,
+                 context: int = CONTEXTS[1]) -> JSONObject | None:
     """The record's `kv_choice.speed`: both KV-scale options of quantkit's INT4 output of `config` on `tp` x
     `gpu_key` at `context` (one request, and as many as fit at FP8 KV), from the planner's default assumptions."""
     from quantkit.plan.catalog import get_gpu
@@ -150,8 +149,8 @@ def record_speed(config: dict[str, Any], group_size: int, gpu_key: str = "h200",
     return kv_speed_options(config, plan, gpu, tp, mem.kv_capacity_tokens, requests, context)
 
 
-def pd_kv_options(config: dict[str, Any], decode: dict[str, Any], gpu: GPU, group_size: int,
-                  kv_scales: RequestedScales = "auto") -> dict[str, Any] | None:
+def pd_kv_options(config: JSONObject, decode: JSONObject, gpu: GPU, group_size: int,
+                  kv_scales: RequestedScales = "auto") -> JSONObject | None:
     """`plan --pd`: both KV-scale options for the decode row of a `plan_compare` table (measured KL, modelled
     speed at the row's context and request count) and which one the printed pair ships."""
     layout = get_adapter(config).kv_layout

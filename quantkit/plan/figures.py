@@ -82,15 +82,15 @@ def figures() -> list[tuple[str, float, float, str]]:
 
 
 def attention_figures() -> list[tuple[str, float, float, str]]:
-    """The FP8 KV terms (quantkit/plan/attention.py, fitted in throughput.fit_decode) on the figures they were
+    """The FP8 KV terms (quantkit/plan/attention.py, fitted in decode_fit.fit_decode) on the figures they were
     fitted on and on figures they never saw (sources in docs/planner.md)."""
     from quantkit.plan.attention import FP8_WRITE_FLASHMLA_S
-    from quantkit.plan.throughput import PRODUCTION_KV, fit_decode
+    from quantkit.plan.decode_fit import PRODUCTION_KV, fit_decode
 
     kv, out = PRODUCTION_KV, []
-    one = (decode_step_seconds(kv["model"], "h200", 8, 1, kv["context_1"], "int4", "fp8", "flashmla")
-           / decode_step_seconds(kv["model"], "h200", 8, 1, kv["context_1"], "int4", "bf16", "flashmla") - 1)
-    out.append(("Kimi FP8-KV decode step time vs BF16 KV, one request (fitted, flashmla)", 100 * kv["slower_at_1"],
+    one = (decode_step_seconds(kv.model, "h200", 8, 1, kv.context_1, "int4", "fp8", "flashmla")
+           / decode_step_seconds(kv.model, "h200", 8, 1, kv.context_1, "int4", "bf16", "flashmla") - 1)
+    out.append(("Kimi FP8-KV decode step time vs BF16 KV, one request (fitted, flashmla)", 100 * kv.slower_at_1,
                 100 * one, "%"))
     b200 = ((5275, 1, 65, 62), (5275, 44, 885, 912), (1536, 1, 79, 78), (1536, 64, 1969, 1998))  # sglang#8638
     for context, batch, fp16, fp8 in b200:

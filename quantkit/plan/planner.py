@@ -14,6 +14,7 @@ from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.kv_choice import RequestedScales, choose_scale_mode
 from quantkit.plan.attention_plan import attention_table, pinned_backend
 from quantkit.plan.catalog import GIB, GPU
+from quantkit.plan.decode_fit import fit_decode
 from quantkit.plan.inventory import (
     PrecisionPlan,
     SizedTensor,
@@ -28,7 +29,6 @@ from quantkit.plan.throughput import (
     EFF_BANDWIDTH,
     EFF_COMPUTE,
     decode_tok_s,
-    fit_decode,
     fit_prefill,
     prefill_tok_s,
 )

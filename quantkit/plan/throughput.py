@@ -22,7 +22,7 @@ BF16 rate, times 1 + a dequant penalty) plus attention FLOPs, plus a fixed per-l
 Four constants are solved from four production figures (one linear system): `t_layer` and `t_fp8_call`
 from GLM-5.2's 60 (FP8) and 92 (INT4) tok/s at one request; `c_fp8` and `t_req` from Kimi-K2.6 INT4 on
 8 x H200, FP8 KV "a few percent slower" than BF16 at one request (3%) and +41% maximum throughput (31 BF16
-vs 64 FP8 requests at 21,437 tokens), with the production attention backend assumed (`PRODUCTION_ATTENTION`).
+vs 64 FP8 requests at 21,437 tokens), with the production attention backend assumed (quantkit.plan.decode_fit).
 The dequant penalty and the prefill per-layer cost come from 10,160 / 8,660 prefill tok/s. The efficiencies
 are priors, not fits. GLM-5.2's 8- and 32-request gains and B200's FP8-KV figures are predictions, reported
 with their error (docs/benchmarks.md, tests/test_plan_attention.py).
@@ -31,13 +31,12 @@ with their error (docs/benchmarks.md, tests/test_plan_attention.py).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from quantkit.arch import Adapter, Role, get_adapter
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.pd import gpu_arch
 from quantkit.plan.attention import kernel, layer_seconds
 from quantkit.plan.catalog import GPU, get_gpu
@@ -52,12 +51,9 @@ __all__ = [
     "PrefillFit",
     "StepProfile",
     "decode_gain",
-    "PRODUCTION_ATTENTION",
-    "PRODUCTION_KV",
     "attention_seconds",
     "decode_step_seconds",
     "decode_tok_s",
-    "fit_decode",
     "fit_prefill",
     "prefill_tok_s",
     "reference_backend",
@@ -66,7 +62,7 @@ __all__ = [
 
 # The production report's figures (GLM-5.2, 8 x H200, TP8, SGLang). Context lengths are not
 # stated there; the model assumes 8192 tokens for both.
-PRODUCTION: dict[str, Any] = {
+PRODUCTION: JSONObject = {
     "model": "glm-5.2",
     "gpu": "h200",
     "tp": 8,
@@ -75,14 +71,6 @@ PRODUCTION: dict[str, Any] = {
     "decode_gain": {1: 0.55, 8: 0.21, 32: 0.27},
     "prefill_tok_s": {"fp8": 10160.0, "int4": 8660.0},
 }
-# Kimi-K2.6 INT4 on 8 x H200 (production report): FP8 KV vs BF16 KV. "A few %" slower at one request is read as
-# 3% (context assumed 8192, as for GLM-5.2); +41% maximum throughput where BF16 fits 31 requests of 21,437 tokens
-# and FP8 64 (the planner's capacity boundary, docs/planner.md).
-PRODUCTION_KV: dict[str, Any] = {"model": "kimi-k2.6", "weights": "int4", "context_1": 8192, "slower_at_1": 0.03,
-                                 "context_full": 686_000 // 32, "requests": {"bf16": 31, "fp8": 64}, "gain": 0.41}
-# The attention backends the production figures ran on: GLM-5.2 DSA on SGLang's Hopper default; Kimi's report
-# names none: FlashMLA is assumed (fa3 or flashinfer would make FP8 KV ~10x slower at Kimi's pool, sglang#35291).
-PRODUCTION_ATTENTION: dict[str, str] = {"glm-5.2": "flashmla_kv", "kimi-k2.6": "flashmla"}
 EFF_BANDWIDTH = 0.70  # prior: achieved share of peak HBM bandwidth by decode GEMV / grouped-GEMM kernels
 EFF_COMPUTE = 0.50  # prior: achieved share of dense tensor-core peak, decode and prefill GEMMs
 # prior: Marlin W4A16 on Hopper reaches ~2.2x over BF16 at batch 1 where bytes allow 3.56x (g=32), so
@@ -143,7 +131,7 @@ def _compute_dtype(fmt: str) -> str:
     return "fp8" if fmt == "fp8" else "int4" if fmt in ("int4", "nvfp4", "mxfp4") else "bf16"
 
 
-def _attention_flops_per_pos(text: dict[str, Any], adapter: Adapter) -> float:
+def _attention_flops_per_pos(text: JSONObject, adapter: Adapter) -> float:
     heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
     if adapter.kv_layout == "gqa":
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
@@ -155,7 +143,7 @@ def _attention_flops_per_pos(text: dict[str, Any], adapter: Adapter) -> float:
 _PROFILES: dict[tuple[str, PrecisionPlan, int, str], StepProfile] = {}
 
 
-def step_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
+def step_profile(config: JSONObject, plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
     """Per-GPU bytes and FLOPs of one decode step (target model only; MTP layers excluded)."""
     key = (json.dumps(config, sort_keys=True), plan, tp, kv)
     if key not in _PROFILES:
@@ -163,7 +151,7 @@ def step_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) 
     return _PROFILES[key]
 
 
-def _build_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
+def _build_profile(config: JSONObject, plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
     adapter = get_adapter(config)
     text = adapter.config
     static = 0.0
@@ -271,67 +259,7 @@ def _step(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit, ba
             + attention_seconds(p, gpu, batch, context, fit, backend, pool_tokens))
 
 
-# The fitted unknowns, in the order of DecodeFit's constructor arguments.
-_UNKNOWNS = ("t_layer", "t_fp8_call", "c_w", "c_fp8")
-
-
-def _fit_rows() -> list[tuple[list[float], float]]:
-    """The four production equations as rows (coefficients of _UNKNOWNS, right-hand side): each is linear in
-    the unknowns, so its coefficients are differences of the model at unit values of each."""
-    prod, kv = PRODUCTION, PRODUCTION_KV
-    h200 = get_gpu(prod["gpu"])
-
-    def linear(terms: list[tuple[float, str, str, str, int, int]]) -> tuple[list[float], float]:
-        # terms: (weight, model, weights, kv, batch, context); the row is sum(weight * t_step) = 0
-        def total(fit: DecodeFit) -> float:
-            return sum(w * _step(_named_profile(m, prod["tp"], wt, k), h200, b, c, fit,
-                                 PRODUCTION_ATTENTION[m]) for w, m, wt, k, b, c in terms)
-
-        base = DecodeFit(0.0, 0.0)
-        zero = total(base)
-        return [total(DecodeFit(**{**_fit_fields(base), u: 1.0})) - zero for u in _UNKNOWNS], -zero
-
-    rows = []
-    for weights in ("fp8", "int4"):  # GLM-5.2 at one request: t_step = 1 / tok_s
-        coeffs, rhs = linear([(1.0, prod["model"], weights, "fp8", 1, prod["context"])])
-        rows.append((coeffs, rhs + 1.0 / prod["decode_tok_s_1"][weights]))
-    m, w, c1 = kv["model"], kv["weights"], kv["context_1"]
-    rows.append(linear([(1.0, m, w, "fp8", 1, c1), (-(1.0 + kv["slower_at_1"]), m, w, "bf16", 1, c1)]))
-    n16, n8, c = kv["requests"]["bf16"], kv["requests"]["fp8"], kv["context_full"]
-    rows.append(linear([(n8, m, w, "bf16", n16, c), (-(1.0 + kv["gain"]) * n16, m, w, "fp8", n8, c)]))
-    return rows
-
-
-def _fit_fields(fit: DecodeFit) -> dict[str, float]:
-    return {f: getattr(fit, f) for f in (*_UNKNOWNS, "t_req")}
-
-
-def _solve(rows: list[tuple[list[float], float]]) -> list[float]:
-    """Gaussian elimination with partial pivoting (a 4 x 4 system; no numpy in the planner's import path)."""
-    a = [list(coeffs) + [rhs] for coeffs, rhs in rows]
-    n = len(a)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-300:
-            raise QuantkitError("decode fit: the production equations do not determine the constants")
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][n] / a[i][i] for i in range(n)]
-
-
-@lru_cache(maxsize=1)
-def fit_decode() -> DecodeFit:
-    """Solve t_layer, t_fp8_call, c_fp8 and t_req from the four production figures (see the module docstring)."""
-    values = _solve(_fit_rows())
-    fit = DecodeFit(**dict(zip(_UNKNOWNS, values, strict=True)))
-    _check_positive(fit)
-    return fit
-
-
-def _prefill_parts(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> dict:
+def _prefill_parts(config: JSONObject, plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> dict:
     """Node-wide seconds per prefilled token: GEMMs by dtype and attention, before fitted terms."""
     p = step_profile(config, plan, tp, "bf16")
     eff = EFF_COMPUTE
@@ -361,7 +289,7 @@ def fit_prefill() -> PrefillFit:
     return PrefillFit(int4_dequant_penalty=penalty, t_layer_token=t_layer_token)
 
 
-def prefill_tok_s(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> float:
+def prefill_tok_s(config: JSONObject, plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> float:
     """Modelled prefill throughput of the whole TP group (tokens/s)."""
     fit = fit_prefill()
     parts = _prefill_parts(config, plan, gpu, tp, context)
@@ -371,17 +299,23 @@ def prefill_tok_s(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int
     return 1.0 / t
 
 
+def _fit() -> DecodeFit:
+    from quantkit.plan.decode_fit import fit_decode  # the fit evaluates this model: imported when first needed
+
+    return fit_decode()
+
+
 def decode_tok_s(
-    config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, batch: int, context: int, kv: str,
+    config: JSONObject, plan: PrecisionPlan, gpu: GPU, tp: int, batch: int, context: int, kv: str,
     backend: str | None = None, pool_tokens: int = 0,
 ) -> float:
     """Modelled aggregate decode throughput (tokens/s) of `batch` requests at `context` tokens on the attention
     `backend` (None: `reference_backend`); `pool_tokens` (KV tokens per GPU) matters for fa3 / flashinfer FP8 MLA."""
     p = step_profile(config, plan, tp, kv)
-    return batch / _step(p, gpu, batch, context, fit_decode(), backend, pool_tokens)
+    return batch / _step(p, gpu, batch, context, _fit(), backend, pool_tokens)
 
 
-def _plan_for(config: dict[str, Any], weights: str) -> PrecisionPlan:
+def _plan_for(config: JSONObject, weights: str) -> PrecisionPlan:
     if weights == "native":
         return native_plan(config)
     if weights not in ("bf16", "fp8", "int4", "nvfp4", "mxfp4"):
@@ -407,7 +341,7 @@ def decode_step_seconds(
     """
     if batch < 1 or context < 1 or tp < 1:
         raise QuantkitError("decode_step_seconds: batch, context and tp must be >= 1")
-    return _step(_named_profile(model, tp, weights, kv), get_gpu(gpu), batch, context, fit_decode(), backend,
+    return _step(_named_profile(model, tp, weights, kv), get_gpu(gpu), batch, context, _fit(), backend,
                  pool_tokens)
 
 
@@ -423,9 +357,3 @@ def decode_gain(model: str, batch: int, gpu: str = "h200", tp: int = 8, context:
     fp8 = decode_step_seconds(model, gpu, tp, batch, context, "fp8", "fp8")
     int4 = decode_step_seconds(model, gpu, tp, batch, context, "int4", "fp8")
     return fp8 / int4 - 1.0
-
-
-def _check_positive(fit: DecodeFit) -> None:
-    if not (fit.t_layer > 0 and fit.t_fp8_call > 0 and fit.c_fp8 >= 0 and fit.t_req >= 0
-            and all(math.isfinite(v) for v in _fit_fields(fit).values())):
-        raise QuantkitError(f"decode fit produced non-physical constants {fit}")
