@@ -101,6 +101,8 @@ def test_gqa_unit_scales_let_sglang_serve_fp8_kv() -> None:
     assert unit.args[unit.args.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and unit.kv_cache.scale == "1.0"
     cal = engine_verdicts(_facts("glm-4.7", "calibrated"), ("sglang",))["sglang"]
     assert cal.args[cal.args.index("--kv-cache-dtype") + 1] == "bfloat16"
+    vllm = {m: engine_verdicts(_facts("glm-4.7", m), ("vllm",))["vllm"].kv_cache.scale for m in ("unit", "calibrated")}
+    assert vllm == {"unit": "1.0", "calibrated": "calibrated"}  # vLLM applies whichever the checkpoint ships
 
 
 def _stats(absmax: float) -> dict[int, KVStats]:

@@ -273,7 +273,9 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
         warnings.append("calibrated KV scales are not applied by vLLM for MLA (kept for SGLang and transformers)")
     elif facts.kv_cache_scheme:
         args += ["--kv-cache-dtype", "fp8"]
-        kv = KVCacheUse("fp8", "calibrated", "FP8 KV with calibrated K and V scales (self_attn.attn.k_scale)")
+        kv = (KVCacheUse("fp8", "1.0", "FP8 KV with the checkpoint's K and V scales of 1.0 (chosen by measurement, "
+                         "docs/serving.md)") if facts.kv_scale_mode == "unit" else
+              KVCacheUse("fp8", "calibrated", "FP8 KV with calibrated K and V scales (self_attn.attn.k_scale)"))
     else:
         kv = KVCacheUse("auto", "none", "KV scales present without kv_cache_scheme: vLLM creates no KV method")
         warnings.append(kv.detail)
