@@ -138,3 +138,15 @@ def test_record_and_validate_show_both_options(monkeypatch, tmp_path) -> None:
         check_kv_choice(tmp_path, report)
         check = next(c for c in report.checks if c.name == "KV scale choice")
         assert check.status == status and "+14.0%" in check.detail and "+1.00e-05" in check.detail
+
+
+def test_pd_plugin_reads_a_unit_split_as_scale_one(tmp_path) -> None:
+    """The PD plugin on a decode shipping scales of 1.0: the split record says 1.0, so the plugin converts pages
+    at 1.0 (a plain cast, what flashmla's own write stores) without reading any scale tensor."""
+    from quantkit.serving.pd.sglang import decode_target
+
+    split = serving_record(_facts("deepseek-v3", "unit"))["sglang"]["pd_split"]
+    (tmp_path / "quantkit.json").write_text(json.dumps({"serving": {"sglang": {"pd_split": split}}}))
+    target = decode_target(tmp_path)
+    assert (target.kv_dtype, target.row, target.scales) == ("fp8_e4m3", "mla", {})
+    assert target.k_scale(0) == target.k_scale(60) == 1.0

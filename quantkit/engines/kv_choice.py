@@ -25,7 +25,7 @@ from typing import Literal
 from quantkit.arch import KVLayout
 from quantkit.engines.kv_backends import GpuArch
 
-__all__ = ["MEASURED", "MEASURED_BY", "SATURATION_LIMIT", "UNIT_BACKEND", "KVScaleMode", "MeasuredKL",
+__all__ = ["DSA_BACKEND", "MEASURED", "MEASURED_BY", "SATURATION_LIMIT", "UNIT_BACKEND", "KVScaleMode", "MeasuredKL",
            "RequestedScales", "choose_scale_mode", "kv_choice_record", "sglang_mla_backend"]
 
 KVScaleMode = Literal["unit", "calibrated"]
@@ -35,6 +35,10 @@ SE_FLOOR = 2.0
 SATURATION_LIMIT = 0.0  # a checkpoint whose calibration saw any value saturate at scale 1.0 keeps its scales
 MEASURED_BY = "python bench/kv_backend_kl.py --windows 24 --seq 128 --prompt 64 (docs/serving.md)"
 UNIT_BACKEND: dict[GpuArch, str] = {"sm90": "flashmla", "sm100": "trtllm_mla", "other": "triton"}
+# DSA (no checkpoint scale): SGLang's per-tile 656 B rows (flashmla_kv) against the raw 576 B plain cast Blackwell's
+# trtllm default stores: measured on the tiny GLM-5, the raw rows cost +1.43e-5 KL (se 4.5e-6) over per-tile,
+# above the rule's threshold (10% of INT4's 1.33e-5, 2 se = 9.1e-6): records pin flashmla_kv on every GPU.
+DSA_BACKEND = "flashmla_kv"
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class MeasuredKL:
         return "unit" if self.delta <= self.threshold else "calibrated"
 
 
-MEASURED: dict[KVLayout, MeasuredKL] = {}
+MEASURED: dict[KVLayout, MeasuredKL] = {  # `MEASURED_BY`, 2026-12-06 (docs/serving.md)
+    KVLayout.MLA: MeasuredKL("deepseek_v3", kl_calibrated=2.32e-4, kl_unit=3.43e-4, unit_read="a_flashmla",
+                             delta=1.11e-4, se=1.83e-4, kl_int4=8.90e-4, kl_eager=9.81e-2),
+}
 
 
 def choose_scale_mode(layout: KVLayout, requested: RequestedScales = "auto",

@@ -175,9 +175,12 @@ def _side_args(args: list[str]) -> list[str]:
 def _pair_backend(layout: KVLayout, arch: GpuArch, calibrated: bool, same: bool) -> str:
     """The attention backend both sides pin (quantkit/engines/kv_choice.py): for MLA, the fastest backend
     consistent at scale 1.0 -- unless the decode checkpoint ships calibrated scales: then triton when both sides
-    load them, else a backend that ignores them (the FP8 source's pages are a plain cast)."""
-    from quantkit.engines.kv_choice import UNIT_BACKEND
+    load them, else a backend that ignores them (the FP8 source's pages are a plain cast); for DSA, flashmla_kv
+    (per-tile rows) on every GPU."""
+    from quantkit.engines.kv_choice import DSA_BACKEND, UNIT_BACKEND
 
+    if layout == KVLayout.DSA:  # per-tile 656 B rows on every GPU: raw 576 B rows measured above the threshold
+        return DSA_BACKEND
     if layout != KVLayout.MLA:
         return sglang_backend(layout, arch)
     if calibrated:

@@ -163,6 +163,9 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
     if a.kv_layout == KVLayout.DSA:
         kv = KVCacheUse("auto", "per-tile", "DSA: the engine computes FP8 tile scales itself; no checkpoint scales",
                         "DSA default (FP8: flashmla_kv on SM90, trtllm on SM100)")
+        notes.append("Blackwell: SGLang's FP8 DSA default (trtllm) stores raw 576 B rows, measured above the KV "
+                     "rule's threshold against flashmla_kv's per-tile rows (docs/serving.md): add "
+                     "--dsa-prefill-backend flashmla_kv --dsa-decode-backend flashmla_kv there")
         if facts.kv_cache_scheme:
             problems.append("kv_cache_scheme on a DSA model switches SGLang to FP8 KV with no scale to apply")
     elif not facts.kv_cache_scheme:
