@@ -90,8 +90,10 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
                          f"| {d:+.2e} +- {se:.1e} |")
         lines.append(f"| int4 | {run['int4']['what']} | {run['int4']['kl_mean']:.2e} | {run['int4']['kl_p99']:.2e} "
                      f"| {run['int4']['top1_flip']:.2%} | |")
+        choice = v["choice"] if run["layout"] != "dsa" else {  # DSA: the row layout, not a checkpoint scale
+            "unit": "raw 576 B rows allowed", "calibrated": "per-tile 656 B rows (flashmla_kv)"}[v["choice"]]
         lines += ["", f"rule: worst unit read `{v['unit_read']}` {v['delta']:+.2e} vs calibrated; threshold "
-                  f"max(10% x {v['kl_int4']:.2e}, 2 x {v['se']:.1e}) = {v['threshold']:.2e} -> **{v['choice']}**", ""]
+                  f"max(10% x {v['kl_int4']:.2e}, 2 x {v['se']:.1e}) = {v['threshold']:.2e} -> **{choice}**", ""]
     return "\n".join(lines)
 
 

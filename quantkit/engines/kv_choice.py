@@ -66,6 +66,8 @@ class MeasuredKL:
 MEASURED: dict[KVLayout, MeasuredKL] = {  # `MEASURED_BY`, 2026-12-06 (docs/serving.md)
     KVLayout.MLA: MeasuredKL("deepseek_v3", kl_calibrated=2.32e-4, kl_unit=3.43e-4, unit_read="a_flashmla",
                              delta=1.11e-4, se=1.83e-4, kl_int4=8.90e-4, kl_eager=9.81e-2),
+    KVLayout.GQA: MeasuredKL("glm4_moe", kl_calibrated=1.31e-4, kl_unit=9.53e-5, unit_read="a_triton",
+                             delta=-3.52e-5, se=2.80e-5, kl_int4=3.69e-5),
 }
 
 
