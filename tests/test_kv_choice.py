@@ -150,3 +150,17 @@ def test_pd_plugin_reads_a_unit_split_as_scale_one(tmp_path) -> None:
     target = decode_target(tmp_path)
     assert (target.kv_dtype, target.row, target.scales) == ("fp8_e4m3", "mla", {})
     assert target.k_scale(0) == target.k_scale(60) == 1.0
+
+
+def test_the_recorded_measurement_is_the_documented_table() -> None:
+    """kv_choice.MEASURED (what every record's choice is traced to) and docs/serving.md's table, from one run of
+    `bench/kv_backend_kl.py`, agree: every recorded KL appears in the model's section of the table."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    for m in kv_choice.MEASURED.values():
+        section = doc[doc.index(f"#### {m.model}"):]
+        section = section[:section.index("rule:")]
+        for value in (m.kl_calibrated, m.kl_unit, m.kl_int4, *([m.kl_eager] if m.kl_eager else [])):
+            assert f"{value:.2e}" in section, (m.model, value)
+        assert f"{m.delta:+.2e}" in doc and m.choice == "unit"
