@@ -17,8 +17,9 @@
   `q8 . k8 x descale_q x descale_k x softmax_scale` over all 576 values, P is cast to e4m3 ("Since the maximum
   value of P does not exceed 1, the f32tofp8_cast is directly used"), V is the latent (times `descale_k`).
   Assumptions (not stated by the source): 64-token blocks (FlashMLA's page), one KV split, the denominator
-  sums unrounded P as the Triton kernel does. With `descale = 1` it is the Triton reproduction with 64-token
-  blocks and one split, the case the executed kernel checks.
+  sums unrounded P as the Triton kernel does. It shares `attend_one` with the Triton reproduction (which the
+  executed kernel checks); its FlashMLA-specific parameters (q / k_scale over all 576 values, 64-token blocks,
+  one split) cannot be checked here: no FlashMLA kernel runs on a CPU.
 """
 
 from __future__ import annotations
