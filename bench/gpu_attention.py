@@ -175,7 +175,7 @@ def triton_rows(ctx: Context, rep: Report, device: torch.device, gpu: GPU) -> No
     import torch
 
     from quantkit.plan.attention import kernel
-    from quantkit.plan.decode_fit import fit_decode
+    from quantkit.plan.throughput import fit_decode
 
     try:
         decode, where = load_sglang_decode()

@@ -10,8 +10,7 @@ from quantkit.engines.kv_choice import UNIT_BACKEND
 from quantkit.engines.pd import gpu_arch
 from quantkit.plan.attention import C_POOL_S, FP8_WRITE_FLASHMLA_S, consistent_backends, triton_splits
 from quantkit.plan.catalog import get_gpu
-from quantkit.plan.decode_fit import PRODUCTION_KV, fit_decode
-from quantkit.plan.throughput import decode_gain, decode_step_seconds
+from quantkit.plan.throughput import PRODUCTION_KV, decode_gain, decode_step_seconds, fit_decode
 
 # Held out: SGLang trtllm_mla on 8 x B200, DeepSeek-R1 (FP8 weights), FP8 vs FP16 KV at the achieved concurrency
 # (https://github.com/sgl-project/sglang/pull/8638): (input + output / 2, requests, tok/s FP16 KV, tok/s FP8 KV)

@@ -13,9 +13,9 @@ from typing import Any
 from quantkit.arch import Adapter, KVLayout, Role, get_adapter
 from quantkit.checkpoint.qconfig import is_per_unit, unit_formats_of_config
 from quantkit.engines.fp4 import WeightScheme
+from quantkit.engines.kv_choice import KVScaleMode, choose_scale_mode
 from quantkit.quant.scheme import FORMATS, FormatName
 from quantkit.quant.units import list_units, unit_of
-from quantkit.engines.kv_choice import KVScaleMode, choose_scale_mode
 
 __all__ = ["CheckpointFacts", "facts_from_checkpoint", "facts_from_recipe", "kv_scale_names",
            "read_checkpoint_facts", "scheme_of_config"]

@@ -7,7 +7,7 @@ Per attention layer and decode step, on one GPU:
            + max(read_bytes / (BW x eta), tokens x tok_s x tiles)   memory, or a per-token floor (DSA dequant)
            + split partials / (BW x eta)           triton only: stage-1 partials written and read back
            + FP8 KV: write_s + tokens x c_fp8      FP8 write kernels (measured, or n_w x c_w fitted) and the
-                                                   per-token FP8 read overhead (fitted, decode_fit.fit_decode)
+                                                   per-token FP8 read overhead (fitted, throughput.fit_decode)
            + FP8 MLA on fa3 / flashinfer: pool_tokens x C_POOL   the whole per-layer pool converted to BF16 on
                                                    every layer of every step (sglang#35291), then a BF16 read
 

@@ -11,7 +11,8 @@ from quantkit.plan.catalog import GIB, get_gpu
 from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.models import resolve_model
 from quantkit.plan.planner import Deployment, plan_one
-from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds, prefill_tok_s
+from quantkit.plan.prefill import prefill_tok_s
+from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds
 
 __all__ = ["figures", "main"]
 
@@ -82,10 +83,10 @@ def figures() -> list[tuple[str, float, float, str]]:
 
 
 def attention_figures() -> list[tuple[str, float, float, str]]:
-    """The FP8 KV terms (quantkit/plan/attention.py, fitted in decode_fit.fit_decode) on the figures they were
+    """The FP8 KV terms (quantkit/plan/attention.py, fitted in throughput.fit_decode) on the figures they were
     fitted on and on figures they never saw (sources in docs/planner.md)."""
     from quantkit.plan.attention import FP8_WRITE_FLASHMLA_S
-    from quantkit.plan.decode_fit import PRODUCTION_KV, fit_decode
+    from quantkit.plan.throughput import PRODUCTION_KV, fit_decode
 
     kv, out = PRODUCTION_KV, []
     one = (decode_step_seconds(kv.model, "h200", 8, 1, kv.context_1, "int4", "fp8", "flashmla")

@@ -14,7 +14,6 @@ from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.kv_choice import RequestedScales, choose_scale_mode
 from quantkit.plan.attention_plan import attention_table, pinned_backend
 from quantkit.plan.catalog import GIB, GPU
-from quantkit.plan.decode_fit import fit_decode
 from quantkit.plan.inventory import (
     PrecisionPlan,
     SizedTensor,
@@ -25,12 +24,12 @@ from quantkit.plan.inventory import (
 from quantkit.plan.kv import KV_DTYPES
 from quantkit.plan.memory import Assumptions, max_concurrent_requests, plan_memory
 from quantkit.plan.models import ModelSource
+from quantkit.plan.prefill import fit_prefill, prefill_tok_s
 from quantkit.plan.throughput import (
     EFF_BANDWIDTH,
     EFF_COMPUTE,
     decode_tok_s,
-    fit_prefill,
-    prefill_tok_s,
+    fit_decode,
 )
 
 __all__ = ["Deployment", "plan_compare", "plan_one", "resolve_plan"]
