@@ -21,6 +21,8 @@ TOKENS = torch.randint(1, 500, (4, 48), generator=torch.Generator().manual_seed(
 
 
 def _recipe(**kw) -> Recipe:
+    """The calibration's own scales (`--kv-scales calibrated`): these tests check the statistics."""
+    kw.setdefault("kv_scales", "calibrated")
     return Recipe(method="rtn", kv_cache="fp8", calibration={"samples": 4, "seq_len": 48}, **kw)
 
 
@@ -134,7 +136,8 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
     int4 = tmp_path / "int4"
     convert(tiny_ds, int4, Recipe(method="rtn"))
     shards = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in int4.glob("model-*.safetensors")}
-    out = CliRunner().invoke(app, ["kv-scales", str(int4), "--samples", "4", "--seq-len", "48"])
+    out = CliRunner().invoke(app, ["kv-scales", str(int4), "--samples", "4", "--seq-len", "48", "--kv-scales",
+                                   "calibrated"])
     assert out.exit_code == 0, out.output
     assert "FP8 KV (mla)" in out.output
     for name, (mtime, data) in shards.items():
@@ -157,6 +160,31 @@ def test_kv_scales_command_adds_scales_without_rewriting_shards(tiny_ds, tmp_pat
     serving = json.loads((int4 / "quantkit.json").read_text())["serving"]  # recomputed for the new scales
     assert serving["sglang"]["kv_cache"]["scale"] == "calibrated" and serving["vllm"]["kv_cache"]["scale"] == "none"
     assert not os.path.exists(tmp_path / ".int4.kv-scales.partial")
+
+
+def test_kv_scales_command_ships_the_rules_scales(tiny_ds, tmp_path):
+    """Without --kv-scales the measured rule decides (quantkit/engines/kv_choice.py: MLA ships 1.0): the scale
+    tensors are 1.0, the report says why, the record pins the fastest backend and shows both options."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+    from quantkit.convert.pipeline import convert
+    from quantkit.engines.kv_choice import UNIT_BACKEND, choose_scale_mode
+
+    assert choose_scale_mode(get_adapter(json.loads((tiny_ds / "config.json").read_text())).kv_layout)[0] == "unit"
+    int4 = tmp_path / "int4"
+    convert(tiny_ds, int4, Recipe(method="rtn"))
+    out = CliRunner().invoke(app, ["kv-scales", str(int4), "--samples", "4", "--seq-len", "48"])
+    assert out.exit_code == 0, out.output
+    report = json.loads((int4 / "kv_cache_report.json").read_text())
+    assert report["scales"]["written"] == "unit" and "measured" in report["scales"]["why"]
+    from safetensors import safe_open
+
+    with safe_open(int4 / kv.KV_SHARD, "pt") as f:
+        assert {float(f.get_tensor(n)) for n in f.keys()} == {1.0}
+    sglang = json.loads((int4 / "quantkit.json").read_text())["serving"]["sglang"]
+    assert sglang["kv_cache"]["scale"] == "1.0" and sglang["kv_cache"]["attention_backend"] == UNIT_BACKEND["sm90"]
+    assert sglang["kv_choice"]["shipped"] == "unit" and sglang["kv_choice"]["options"]["calibrated"]["kl"] > 0
 
 
 def test_kv_scales_refuses_to_invent_a_config_for_bf16(tiny_ds, tmp_path):

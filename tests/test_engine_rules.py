@@ -53,11 +53,15 @@ def test_glm4_record_disables_fusion_and_keeps_sglang_off_fp8_at_scale_one(ckpt_
     assert "--disable-shared-experts-fusion" in record["sglang"]["args"]
     assert "--disable-shared-experts-fusion" not in record["vllm"]["args"]
     # the same facts with GQA KV scales written: vLLM applies them, SGLang cannot (no k_scale parameter)
-    facts = facts_from_recipe(json.loads((out / "config.json").read_text()), 32, {Role.ROUTED_EXPERT}, True)
+    config = json.loads((out / "config.json").read_text())
+    facts = facts_from_recipe(config, 32, {Role.ROUTED_EXPERT}, True, kv_scale_mode="calibrated")
     v = engine_verdicts(facts)
     assert v["vllm"].kv_cache.scale == "calibrated" and v["vllm"].args[-2:] == ["--kv-cache-dtype", "fp8"]
     assert v["sglang"].kv_cache.scale == "none" and v["sglang"].args[-2:] == ["--kv-cache-dtype", "bfloat16"]
     assert v["sglang"].verdict == "loads-with-warnings"
+    # scales of 1.0 (the measured rule's choice for GQA): SGLang's unloaded scale is the checkpoint's, FP8 KV
+    unit = engine_verdicts(facts_from_recipe(config, 32, {Role.ROUTED_EXPERT}, True))
+    assert unit["sglang"].kv_cache.scale == "1.0" and unit["sglang"].args[-2:] == ["--kv-cache-dtype", "fp8_e4m3"]
 
 
 def test_deepseek_needs_no_fusion_flag(ckpt_factory, tmp_path) -> None:

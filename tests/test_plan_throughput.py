@@ -13,7 +13,8 @@ from quantkit.plan.catalog import get_gpu
 from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.models import resolve_model
 from quantkit.plan.planner import Deployment, plan_one
-from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds, fit_decode, prefill_tok_s
+from quantkit.plan.prefill import prefill_tok_s
+from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds, fit_decode
 
 
 def test_signature_is_the_one_other_code_depends_on() -> None:
@@ -26,6 +27,8 @@ def test_signature_is_the_one_other_code_depends_on() -> None:
         ("context", 8192),
         ("weights", "int4"),
         ("kv", "fp8"),
+        ("backend", None),
+        ("pool_tokens", 0),
     ]
     assert isinstance(decode_step_seconds("glm-5.2"), float)
 
@@ -36,7 +39,9 @@ def test_the_fit_is_physical_and_never_sees_the_held_out_figures(monkeypatch) ->
 
     fit = fit_decode()
     assert fit.t_layer > 0 and fit.t_fp8_call > 0  # seconds per layer and per FP8 call: positive
-    prefill = throughput.fit_prefill()
+    from quantkit.plan import prefill as prefill_model
+
+    prefill = prefill_model.fit_prefill()
     assert prefill.int4_dequant_penalty > 0 and prefill.t_layer_token > 0  # INT4 dequant costs prefill time
     monkeypatch.setitem(throughput.PRODUCTION, "decode_gain", {1: 0.55, 8: 5.0, 32: -0.9})
     fit_decode.cache_clear()

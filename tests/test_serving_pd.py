@@ -13,9 +13,10 @@ from quantkit.plan.models import resolve_model
 from quantkit.quant.recipe import load_recipe
 
 
-def _facts(model: str, kv_scales: bool = True):
+def _facts(model: str, kv_scales: bool = True, mode: str | None = None):
+    """Facts of quantkit's INT4 output; `mode` forces the KV scales shipped (None: the measured rule's)."""
     config = resolve_model(model).config
-    return facts_from_recipe(config, 32, load_recipe(None, config).quantize_roles, kv_scales)
+    return facts_from_recipe(config, 32, load_recipe(None, config).quantize_roles, kv_scales, kv_scale_mode=mode)
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2.6", "glm-5.2", "glm-4.7"])
@@ -51,7 +52,7 @@ def test_each_check_names_the_flag() -> None:
 def test_mla_record_pins_a_backend_that_applies_the_calibrated_scale() -> None:
     """Calibrated MLA scales: SGLang's defaults read x k_scale without dividing on write (trtllm_mla on SM100)
     or ignore it (fa3 on SM90); the record pins the backend that divides on write and multiplies on read."""
-    sglang = engine_verdicts(_facts("deepseek-v3"), ("sglang",))["sglang"]
+    sglang = engine_verdicts(_facts("deepseek-v3", mode="calibrated"), ("sglang",))["sglang"]
     assert sglang.kv_cache.scale == "calibrated"
     backend = sglang.args[sglang.args.index("--attention-backend") + 1]
     verdicts = {b.name: b.verdict for b in BACKENDS if b.engine == "sglang"}
@@ -63,7 +64,7 @@ def test_mla_record_pins_a_backend_that_applies_the_calibrated_scale() -> None:
 
 def test_pd_pair_runs_one_scale_on_both_sides() -> None:
     """The prefill's FP8 source has no KV scales: the decode must not apply its calibrated one to those pages."""
-    pair = pd_pair(_facts("deepseek-v3"), arch="sm100")
+    pair = pd_pair(_facts("deepseek-v3", mode="calibrated"), arch="sm100")
     assert pair.prefill.kv_scale == pair.decode.kv_scale == "1.0"
     assert pair.decode.attention_backend != "triton" and pair.notes
 
@@ -165,25 +166,29 @@ def test_staging_refuses_a_pool_it_cannot_convert() -> None:
         PageStaging([StagedLayer(torch.zeros(64, 1, 576, dtype=torch.float8_e4m3fn))], 64, "mla", 512, 64, 4)
 
 
-@pytest.mark.parametrize(("model", "row", "scale"), [("deepseek-v3", "mla", "calibrated"),
-                                                     ("kimi-k2.6", "mla", "calibrated"),
-                                                     ("glm-5.2", "dsa-656", "per-tile")])
+@pytest.mark.parametrize(("model", "row", "scale", "mode"), [("deepseek-v3", "mla", "calibrated", "calibrated"),
+                                                             ("kimi-k2.6", "mla", "calibrated", "calibrated"),
+                                                             ("deepseek-v3", "mla", "1.0", "unit"),
+                                                             ("glm-5.2", "dsa-656", "per-tile", None)])
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-def test_plugin_split_record(model: str, row: str, scale: str, arch: str) -> None:
+def test_plugin_split_record(model: str, row: str, scale: str, mode: str | None, arch: str) -> None:
     """The production split: prefill BF16 KV on the source with the plugin's environment, decode FP8 at the scale
     its backend applies; the wire carries the decode's dtype string and rows, so the pair's checks pass."""
     from quantkit.engines.pd import pd_split
     from quantkit.serving.pd.sglang import DECODE_ENV, ENV, MODE
 
-    pair = pd_split(_facts(model), arch=arch)
+    pair = pd_split(_facts(model, mode=mode), arch=arch)
     p, d = pair.prefill, pair.decode
     assert pd_problems(pair) == [] and PDPair.from_dict(pair.to_dict()) == pair
     assert p.args[p.args.index("--kv-cache-dtype") + 1] == "auto" and p.kv_row_bytes == 1152
     assert p.env == {ENV: MODE, DECODE_ENV: d.checkpoint} and p.advertised == d.kv_dtype_resolved == "fp8_e4m3"
     assert p.sent_row == (d.kv_row, d.kv_row_bytes) == (row, 576 if row == "mla" else 656)
     assert d.kv_scale == scale
-    if row == "mla":
-        assert d.args[d.args.index("--attention-backend") + 1] == "triton"  # the backend that applies the scale
+    if row == "mla":  # calibrated: the backend that applies the scale; 1.0: the fastest consistent one
+        from quantkit.engines.kv_choice import UNIT_BACKEND
+
+        expected = "triton" if mode == "calibrated" else UNIT_BACKEND[arch]  # type: ignore[index]
+        assert d.args[d.args.index("--attention-backend") + 1] == expected
     broken = {"env": replace(pair, prefill=replace(p, env={ENV: MODE})),
               "fp8 prefill": replace(pair, prefill=replace(p, kv_dtype_resolved="fp8_e4m3")),
               "rows": replace(pair, prefill=replace(p, wire_row="dsa-576", wire_row_bytes=576))}
@@ -194,7 +199,7 @@ def test_plugin_split_record(model: str, row: str, scale: str, arch: str) -> Non
 def test_pair_on_one_checkpoint_applies_the_calibrated_scale_on_both_sides() -> None:
     """Kimi on 8 x H200: only INT4 fits, both sides load quantkit's output with its calibrated MLA scales, so both
     pin the backend that applies them (divide on write, multiply on read) and agree."""
-    pair = pd_pair(_facts("kimi-k2.6"), weights="int4-g32", prefill_weights="int4-g32")
+    pair = pd_pair(_facts("kimi-k2.6", mode="calibrated"), weights="int4-g32", prefill_weights="int4-g32")
     assert pd_problems(pair) == [] and pair.prefill.checkpoint == pair.decode.checkpoint == "<MODEL>"
     assert pair.prefill.kv_scale == pair.decode.kv_scale == "calibrated"
     assert pair.prefill.attention_backend == pair.decode.attention_backend == "triton"

@@ -12,6 +12,9 @@ The statistics are collected by handing the transformers attention a duck-typed 
 absolute maximum and a fine log2 histogram of |value|, from which the fraction of cached values that
 would saturate (|x| > 448 s) or underflow to zero (|x| < s * 2^-10) in e4m3 is read for any scale s —
 both at the calibrated scale and at 1.0, the scale an engine uses when the checkpoint has none.
+
+Which of the two a checkpoint ships (`--kv-scales auto|calibrated|unit`) is `quantkit.engines.kv_choice`'s rule:
+`resolve_scales` applies it (unit = every scale 1.0) and `kv_report` records the choice and why.
 """
 
 from __future__ import annotations
@@ -20,19 +23,21 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from quantkit.arch import Adapter
 from quantkit.core.durable import write_json_atomic
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
 
 __all__ = [
     "FP8_MAX",
     "KVStats",
+    "resolve_scales",
     "StatCache",
     "KV_CACHE_SCHEME",
     "fp8_fractions_exact",
@@ -91,13 +96,13 @@ class Tally:
         under = self.fraction_below(math.log2(scale) + FP8_UNDERFLOW_LOG2)
         return {"saturated": sat, "underflow": under}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         nz = self.hist.nonzero().flatten()
         return {"absmax": self.absmax, "zeros": self.zeros, "total": self.total,
                 "bins": nz.tolist(), "counts": self.hist[nz].tolist()}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Tally:
+    def from_json(cls, d: JSONObject) -> Tally:
         t = cls(float(d["absmax"]), int(d["zeros"]), int(d["total"]))
         t.hist[torch.tensor(d["bins"], dtype=torch.long)] = torch.tensor(d["counts"], dtype=torch.float32)
         return t
@@ -135,12 +140,12 @@ class KVStats:
         k = _scale(self.k.absmax)
         return (k, k) if self.layout == "mla" else (k, _scale(self.v.absmax))
 
-    def report(self, layer: int) -> dict[str, Any]:
+    def report(self, layer: int) -> JSONObject:
         scales = self.scales()
-        out: dict[str, Any] = {"layer": layer, "layout": self.layout}
+        out: JSONObject = {"layer": layer, "layout": self.layout}
         streams = {"kv": self.k} if self.layout != "gqa" else {"k": self.k, "v": self.v}
         for i, (key, tally) in enumerate(streams.items()):
-            entry: dict[str, Any] = {"absmax": tally.absmax, "values": tally.total, "at_scale_1": tally.fractions(1.0)}
+            entry: JSONObject = {"absmax": tally.absmax, "values": tally.total, "at_scale_1": tally.fractions(1.0)}
             if scales is not None:
                 entry["scale"] = scales[i]
                 entry["at_calibrated_scale"] = tally.fractions(scales[i])
@@ -153,11 +158,11 @@ class KVStats:
         out.k, out.v = self.k.merge(other.k), self.v.merge(other.v)
         return out
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {"layout": self.layout, "k": self.k.to_json(), "v": self.v.to_json()}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> KVStats:
+    def from_json(cls, d: JSONObject) -> KVStats:
         s = cls(d["layout"])
         s.k, s.v = Tally.from_json(d["k"]), Tally.from_json(d["v"])
         return s
@@ -180,24 +185,48 @@ class StatCache:
         self.stats = stats
         self.rope_from = rope_from
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope_from is None:
             self.stats.observe(key_states, value_states)
         else:  # the rope key is shared by all heads: head 0 holds it
             self.stats.k.add(key_states[:, :1, :, self.rope_from :])
         return key_states, value_states
 
-    def update_indexer(self, k: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def update_indexer(self, k: torch.Tensor, layer_idx: int, *args: object, **kwargs: object) -> torch.Tensor:
         return k  # the DSA indexer's own small cache: not part of the FP8 KV cache
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
 
+# ------------------------------------------------------------------------------------------- the choice
+def worst_saturation_at_1(stats: dict[int, KVStats]) -> float:
+    """The largest fraction of one layer's cached values that saturates at scale 1.0 (|x| > 448)."""
+    return max((t.fractions(1.0)["saturated"] for s in stats.values() for t in (s.k, s.v) if t.total), default=0.0)
+
+
+def resolve_scales(stats: dict[int, KVStats], layout: str,
+                   requested: str = "auto") -> tuple[dict[int, tuple[float, float]] | None, dict[str, str]]:
+    """The (k, v) scales to write per layer and the report's `scales` block: `quantkit.engines.kv_choice`'s rule
+    (`requested` = auto | calibrated | unit) on this run's statistics. DSA: none (the engines scale tiles)."""
+    from quantkit.arch import KVLayout
+    from quantkit.engines.kv_choice import choose_scale_mode
+
+    if not stats or layout == "dsa":
+        return None, {"written": "none", "why": "DSA: the engines compute per-tile scales at write time"}
+    if requested not in ("auto", "calibrated", "unit"):
+        raise QuantkitError(f"--kv-scales {requested!r}: expected auto, calibrated or unit")
+    mode, why = choose_scale_mode(KVLayout(layout), requested, worst_saturation_at_1(stats))  # type: ignore[arg-type]
+    if mode == "unit":
+        return {layer: (1.0, 1.0) for layer in sorted(stats)}, {"written": "unit", "why": why}
+    return {layer: s.scales() or (1.0, 1.0) for layer, s in sorted(stats.items())}, {"written": mode, "why": why}
+
+
 # ------------------------------------------------------------------------------------------- reports
-def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
-    """The KV report written next to the checkpoint (per layer; worst layers first in `summary`)."""
+def kv_report(stats: dict[int, KVStats], layout: str, scales: dict[str, str] | None = None) -> JSONObject:
+    """The KV report written next to the checkpoint (per layer; worst layers first in `summary`); `scales` says
+    which scales the checkpoint ships (`resolve_scales`)."""
     layers = [s.report(i) for i, s in sorted(stats.items())]
     note = {
         "mla": "one scale per layer from max(|latent after kv_a_layernorm|, |k_pe after rope|)/448; k_scale == v_scale",
@@ -205,7 +234,11 @@ def kv_report(stats: dict[int, KVStats], layout: str) -> dict[str, Any]:
         "dsa": "DSA engines compute per-tile FP8 scales at write time; checkpoint scales would be ignored, "
         "so none are written. Statistics below are for information.",
     }[layout]
-    return {"layout": layout, "fp8": "float8_e4m3fn", "fp8_max": FP8_MAX, "note": note, "layers": layers}
+    out: JSONObject = {"layout": layout, "fp8": "float8_e4m3fn", "fp8_max": FP8_MAX, "note": note}
+    if scales is not None:
+        out["scales"] = scales
+    out["layers"] = layers
+    return out
 
 
 def scale_tensors(scales: dict[int, tuple[float, float]], adapter: Adapter) -> dict[str, torch.Tensor]:
@@ -226,7 +259,7 @@ def scale_tensors(scales: dict[int, tuple[float, float]], adapter: Adapter) -> d
 KV_SHARD = "kv_cache_scales.safetensors"
 
 
-def require_kv_scheme_support(config_path: Path, config: dict[str, Any]) -> None:
+def require_kv_scheme_support(config_path: Path, config: JSONObject) -> None:
     """Raise unless `config` is a compressed-tensors config, the only place engines read KV scales from."""
     qc = config.get("quantization_config")
     if not qc or qc.get("quant_method") != "compressed-tensors":
@@ -283,7 +316,7 @@ def write_kv_scales(ckpt: Path, scales: dict[int, tuple[float, float]], adapter:
     return [KV_SHARD, index_path.name, config_path.name]
 
 
-def _atomic(path: Path, write: Any) -> None:
+def _atomic(path: Path, write: Callable[[Path], None]) -> None:
     from quantkit.core.paths import refuse_link, replace
 
     tmp = path.with_name(path.name + ".tmp")

@@ -15,7 +15,7 @@ from typing import Any
 from safetensors import safe_open
 
 from quantkit.arch import Adapter
-from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report
+from quantkit.calibrate.kv import KV_CACHE_SCHEME, KVStats, kv_report, resolve_scales
 from quantkit.core.durable import write_json_atomic
 from quantkit.quant.int4 import PackedInt4
 from quantkit.quant.recipe import Recipe
@@ -80,10 +80,9 @@ class CalibrationResult:
 
     @property
     def kv_scales(self) -> dict[int, tuple[float, float]] | None:
-        """layer -> (k_scale, v_scale); None without `--kv-cache fp8` and for DSA (engine-side scales)."""
-        if not self.kv or self.adapter.kv_layout == "dsa":
-            return None
-        return {layer: s.scales() for layer, s in sorted(self.kv.items())}
+        """layer -> (k_scale, v_scale) the checkpoint ships (calibrated, or 1.0 when the recipe's `kv_scales` rule
+        says unit; `quantkit.engines.kv_choice`); None without `--kv-cache fp8` and for DSA (engine-side scales)."""
+        return resolve_scales(self.kv, self.adapter.kv_layout, self.recipe.kv_scales)[0]
 
     @property
     def kv_cache_scheme(self) -> dict[str, Any] | None:
@@ -140,9 +139,14 @@ class CalibrationResult:
             _dump(out_dir / COVERAGE_FILE, self.coverage_report())
             written.append(COVERAGE_FILE)
         if self.kv:
-            _dump(out_dir / KV_REPORT_FILE, kv_report(self.kv, self.adapter.kv_layout))
+            _dump(out_dir / KV_REPORT_FILE, self.kv_report())
             written.append(KV_REPORT_FILE)
         return written
+
+    def kv_report(self) -> dict[str, Any]:
+        """The KV report, with the scales the checkpoint ships and why."""
+        choice = resolve_scales(self.kv, self.adapter.kv_layout, self.recipe.kv_scales)[1]
+        return kv_report(self.kv, self.adapter.kv_layout, choice)
 
     def summary(self) -> str:
         lines = []
@@ -179,7 +183,8 @@ class CalibrationResult:
         return (
             f"FP8 KV ({self.adapter.kv_layout}): {len(self.kv)} layer scales; worst layer saturates "
             f"{worst['sat']:.3%} / underflows {worst['under']:.3%} at the calibrated scale "
-            f"(at scale 1.0: {worst['sat1']:.3%} / {worst['under1']:.3%})"
+            f"(at scale 1.0: {worst['sat1']:.3%} / {worst['under1']:.3%}); ships the "
+            f"{self.kv_report()['scales']['written']} scales ({self.kv_report()['scales']['why']})"
         )
 
 

@@ -29,6 +29,8 @@ def kv_scales(
     samples: Annotated[int, typer.Option(help="calibration sequences")] = 128,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 2048,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    scales: Annotated[str, typer.Option("--kv-scales", help="auto (the measured rule, docs/serving.md) | "
+                                        "calibrated | unit (write scale 1.0)")] = "auto",
 ) -> None:
     """Measure FP8 KV-cache scales (MLA-aware) and add them to a checkpoint without rewriting its shards."""
     import os
@@ -59,21 +61,37 @@ def kv_scales(
     if target.exists():
         if open_source(target).adapter.num_layers != source.adapter.num_layers:
             raise QuantkitError(f"{target}: not a checkpoint of the same model as {src} (layer counts differ)")
-    recipe = Recipe(method="rtn", kv_cache="fp8",
+    if scales not in ("auto", "calibrated", "unit"):
+        raise QuantkitError(f"--kv-scales {scales!r}: expected auto, calibrated or unit")
+    recipe = Recipe(method="rtn", kv_cache="fp8", kv_scales=scales,  # type: ignore[arg-type]
                     calibration={"dataset": str(calib), "samples": samples, "seq_len": seq_len, "seed": seed})
     work = (target if target.exists() else target.parent) / f".{target.name}.kv-scales.partial"
     result = run(source, recipe, work, typer.echo, RunOptions(quantize=False))
     if not target.exists():
         kv.link_checkpoint(src, target)
-    scales = result.kv_scales
+    kv_values = result.kv_scales
     written = result.write_reports(target)
-    if scales:
-        written += kv.write_kv_scales(target, scales, source.adapter)
-        written += update_serving_record(target)
+    if kv_values:
+        written += kv.write_kv_scales(target, kv_values, source.adapter)
+        written += update_serving_record(target, _kv_speed(target))
     shutil.rmtree(work, ignore_errors=True)
     refresh_outputs(target, written + ["config.json", "model.safetensors.index.json"])
     typer.echo(result.summary())
     typer.echo(f"wrote {', '.join(written)} in {target}")
+
+
+def _kv_speed(ckpt: Path) -> dict[str, object] | None:
+    """The record's modelled speed of both KV-scale options (the planner; None where it cannot size the model)."""
+    from quantkit.core.errors import QuantkitError
+    from quantkit.plan.attention_plan import record_speed
+
+    config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    groups = list(((config.get("quantization_config") or {}).get("config_groups") or {}).values())
+    group = int(((groups[0].get("weights") or {}).get("group_size") or 32) if groups else 32)
+    try:
+        return record_speed(config, group if group in (32, 64, 128) else 32)
+    except (QuantkitError, KeyError, ValueError, TypeError):
+        return None
 
 
 def eval_cmd(

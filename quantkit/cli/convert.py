@@ -62,6 +62,9 @@ def convert_cmd(
     samples: Optional[int] = typer.Option(None, help="Calibration samples."),  # noqa: UP045
     seq_len: Optional[int] = typer.Option(None, help="Calibration sequence length."),  # noqa: UP045
     kv_cache: Optional[str] = typer.Option(None, help="fp8: calibrate and write FP8 KV-cache scales."),  # noqa: UP045
+    kv_scales: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--kv-scales", help="With --kv-cache fp8: auto (the measured rule, docs/serving.md) | calibrated | "
+        "unit (ship scale 1.0: every SGLang MLA backend is consistent, the fastest is pinned)."),
     workers: int = typer.Option(1, min=1, help="Worker threads (one source shard each), per rank under torchrun."),
     device: str = typer.Option("auto", help="Where RTN and calibration compute: auto (CUDA when present) | cpu | "
                                "cuda | cuda:N (same bytes for RTN)."),
@@ -94,7 +97,7 @@ def convert_cmd(
         src = resolve_source(src, progress=reporter)
     config = source_config(src)
     overrides = {"method": method, "group_size": group_size, "scale_search": scale_search, "scheme": scheme,
-                 "kv_cache": kv_cache,
+                 "kv_cache": kv_cache, "kv_scales": kv_scales,
                  "calibration.dataset": calib, "calibration.samples": samples, "calibration.seq_len": seq_len,
                  "max_shard_size": max_shard_size}
     resolved = load_recipe(recipe, config, overrides)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from quantkit.core.jsontypes import JSON
+from quantkit.core.jsontypes import JSON, JSONObject
 from quantkit.plan.memory import Assumptions
 
 _D = Assumptions()
@@ -40,6 +40,12 @@ def _assumptions(
 
 def _print_json(obj: JSON) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def rows_decode(rows: list[JSONObject], rec: JSONObject) -> JSONObject:
+    """The `plan_compare` row the recommendation decodes on."""
+    decode = rec["decode"]
+    return next(r for r in rows if r["weights"] == decode["weights"] and r["kv"] == decode["kv"])  # type: ignore[index]
 
 
 def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> None:
@@ -81,6 +87,10 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
             False, "--split", help="With --pd --json: the production split through quantkit's SGLang plugin "
             "(BF16 KV on the prefill, FP8 pages converted in transit; MLA/DSA models)."
         ),
+        kv_scales: str = typer.Option(
+            "auto", "--kv-scales", help="FP8 KV scales the INT4 checkpoint ships: auto (the measured rule, "
+            "docs/serving.md) | calibrated | unit; decides the attention backend the record and the pair pin."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
         sensitivity: Path | None = typer.Option(
             None, "--sensitivity", help="A table of this model (`quantkit sensitivity`): the mixed plans that fit, "
@@ -105,6 +115,10 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
         from quantkit.hub.client import is_hub_id, resolve_source
 
         source = resolve_model(str(resolve_source(model, config_only=True)) if is_hub_id(model) else model)
+        if kv_scales not in ("auto", "calibrated", "unit"):
+            from quantkit.core.errors import QuantkitError
+
+            raise QuantkitError(f"--kv-scales {kv_scales!r}: expected auto, calibrated or unit")
         if sensitivity is not None:
             from quantkit.calibrate.sensitivity_table import load_table
             from quantkit.plan.frontier import frontier_html, frontier_report, frontier_text
@@ -119,14 +133,19 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
             if not compare:
                 return
         if compare or pd:
-            rows = plan_compare(source, dep, group_size)
-            rec = recommend(rows, source.config, group_size)
+            from quantkit.plan.attention_plan import kv_options_text, pd_kv_options
+
+            rows = plan_compare(source, dep, group_size, kv_scales)  # type: ignore[arg-type]
+            rec = recommend(rows, source.config, group_size, kv_scales)  # type: ignore[arg-type]
+            options = pd_kv_options(source.config, rows_decode(rows, rec), dep.gpu, group_size,
+                                    kv_scales) if rec.get("decode") else None  # type: ignore[arg-type]
             if pd and as_json:
                 if split and not rec.get("pd_split"):
                     from quantkit.core.errors import QuantkitError
 
                     raise QuantkitError(f"{source.name}: no plugin split (the PD KV plugin converts MLA/DSA pages)")
-                _print_json(rec["pd_split"] if split else rec["pd"])
+                record = rec["pd_split"] if split else rec["pd"]
+                _print_json({**record, **({"kv_choice": options} if options else {})})
                 return
             if as_json:
                 _print_json(rows)
@@ -134,6 +153,8 @@ def register(app: typer.Typer, bench: typer.Typer, simulate: typer.Typer) -> Non
             typer.echo(f"{source.name} on {tp} x {dep.gpu.name}")
             typer.echo(compare_text(rows))
             typer.echo(recommend_text(rec))
+            if options:
+                typer.echo(kv_options_text(source.config, options["speed"], options["shipped"]))
             typer.echo(assumptions_text(rows[0]["assumptions"]))
             return
         plan = resolve_plan(source.config, weights, group_size)

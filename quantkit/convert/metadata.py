@@ -19,6 +19,7 @@ from quantkit.convert.plan import TensorPlan
 from quantkit.convert.publish import MANIFEST_FILE, RECIPE_FILE, account, carry_over_files
 from quantkit.convert.worker import part_name
 from quantkit.core.durable import write_json_atomic, write_text_atomic
+from quantkit.core.errors import QuantkitError
 from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.record import serving_record
 from quantkit.engines.verdicts import facts_from_checkpoint
@@ -94,13 +95,26 @@ def write_metadata(
         "output": {"bytes": sum(shard_bytes.values()), "shards": shard_bytes, "files_copied": copied,
                    "files_skipped": skipped, "reports": reports},
         "summary": summary,
-        "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports))),
+        "serving": serving_record(facts_from_checkpoint(config, weight_map, _kv_report(partial, reports)),
+                                  _kv_speed(source.config, recipe, kv)),
         "tensors": tensors,
     }
     if precision is not None:  # per-unit plans only: a uniform recipe's quantkit.json is as it always was
         manifest["precision"] = precision
     write_json_atomic(partial / MANIFEST_FILE, manifest)
     return sum(shard_bytes.values())
+
+
+def _kv_speed(config: JSONObject, recipe: Recipe, kv: bool) -> JSONObject | None:
+    """Both FP8 KV-scale options' modelled decode speed for the record (quantkit.plan.attention_plan)."""
+    if not kv:
+        return None
+    from quantkit.plan.attention_plan import record_speed
+
+    try:
+        return record_speed(config, recipe.group_size)
+    except (QuantkitError, KeyError, ValueError, TypeError):  # a config the planner cannot size: no speed figure
+        return None
 
 
 def _kv_report(partial: Path, reports: list[str]) -> JSONObject | None:

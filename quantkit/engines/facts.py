@@ -13,6 +13,7 @@ from quantkit.arch import Adapter, KVLayout, Role, get_adapter
 from quantkit.checkpoint.qconfig import is_per_unit, unit_formats_of_config
 from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.fp4 import WeightScheme
+from quantkit.engines.kv_choice import KVScaleMode, choose_scale_mode
 from quantkit.quant.scheme import FORMATS, FormatName
 from quantkit.quant.units import list_units, unit_of
 
@@ -37,6 +38,7 @@ class CheckpointFacts:
     units: tuple[tuple[str, FormatName | None], ...] = ()
     # per-unit outputs: the roles of quantized Linears outside every unit (what the role rules judge)
     roles_outside_units: frozenset[Role] = frozenset()
+    kv_scale_mode: KVScaleMode = "calibrated"  # the KV scale values shipped: calibrated, or all 1.0 (kv_choice)
 
     @property
     def quantized(self) -> bool:
@@ -95,6 +97,7 @@ def facts_from_checkpoint(config: JSONObject, tensor_names: Iterable[str],
         scheme=scheme_of_config(qc),
         units=units,
         roles_outside_units=outside,
+        kv_scale_mode=_scale_mode(kv_report),
     )
 
 
@@ -110,10 +113,13 @@ def scheme_of_config(qc: JSONObject) -> WeightScheme:
 
 def facts_from_recipe(config: JSONObject, group_size: int, roles: Iterable[Role],
                       kv_scales: bool, scheme: WeightScheme = "w4a16",
-                      units: dict[str, FormatName] | None = None) -> CheckpointFacts:
+                      units: dict[str, FormatName] | None = None,
+                      kv_scale_mode: KVScaleMode | None = None) -> CheckpointFacts:
     """Facts of the checkpoint quantkit would write for `config` with a recipe (used by the planner); `units` is a
-    per-unit plan's unit -> format (quantkit/quant/precision.py)."""
+    per-unit plan's unit -> format (quantkit/quant/precision.py); the KV scales are the rule's choice
+    (`kv_choice.choose_scale_mode`) unless `kv_scale_mode` forces one."""
     adapter = get_adapter(config)
+    mode = kv_scale_mode or choose_scale_mode(adapter.kv_layout)[0]
     if units:
         roles = {u.role for u in list_units(adapter) if u.name in units and FORMATS[units[u.name]].quantized}
     # calibration measures the decoder layers; the MTP layer gets no KV scale
@@ -128,6 +134,7 @@ def facts_from_recipe(config: JSONObject, group_size: int, roles: Iterable[Role]
         mtp_present=adapter.num_mtp_layers > 0,
         scheme=scheme,
         units=tuple(units.items()) if units else (),
+        kv_scale_mode=mode,
     )
 
 
@@ -140,6 +147,12 @@ def _worst_saturation(kv_report: JSONObject | None) -> float | None:
             if key in layer:
                 worst = max(worst, float(layer[key]["at_scale_1"]["saturated"]))
     return worst
+
+
+def _scale_mode(kv_report: JSONObject | None) -> KVScaleMode:
+    """What the KV report says was shipped (reports before the rule existed: calibrated)."""
+    written = ((kv_report or {}).get("scales") or {}).get("written")
+    return "unit" if written == "unit" else "calibrated"
 
 
 def read_checkpoint_facts(ckpt: Path) -> CheckpointFacts:

@@ -1,7 +1,8 @@
 """Which attention backends apply a calibrated FP8 KV scale consistently (MLA / DSA, SGLang 0.5.23, vLLM 0.33.0).
 
 A calibrated scale s is consistent only when the write divides by s (or the pages were written by a side that
-did) and the read multiplies by s. SGLang's MLA pool writes with a plain cast (`memory_pool.py:
+did) and the read multiplies by s; scale 1.0 is consistent on every backend. Which one a checkpoint ships is
+measured (quantkit/engines/kv_choice.py). SGLang's MLA pool writes with a plain cast (`memory_pool.py:
 MLATokenToKVPool.set_kv_buffer`), so a backend that multiplies by `k_scale` on read without dividing on write
 scales every logit by s. `tests/test_kv_backends.py` executes each backend's Python write path and the descale
 arguments it hands the (stubbed) kernel; the `executed` column says which part ran, the rest is read.
@@ -77,13 +78,13 @@ def sglang_default_backend(layout: KVLayout, arch: GpuArch) -> str:
 
 
 def sglang_backend(layout: KVLayout, arch: GpuArch) -> str:
-    """The backend a PD side pins: the same on both sides, and one that runs scale 1.0 (the prefill's FP8 source
-    has no KV scales): SGLang's Hopper default for MLA (fa3 ignores the scale at width 576), flashinfer elsewhere;
-    DSA: SGLang's FP8 default of the GPU, pinned for both roles so both rows agree."""
+    """A PD side's backend where the scale plays no role or must be ignored: DSA, SGLang's FP8 default of the GPU,
+    pinned for both roles so both rows agree; MLA, a backend that ignores a checkpoint's calibrated scale (fa3 on
+    Hopper, flashinfer elsewhere), for a decode reading an FP8 source's unscaled pages -- both convert the whole
+    FP8 pool to BF16 on every layer (sglang#35291), so a unit-scale checkpoint pins the fastest backend instead
+    (quantkit/engines/kv_choice.py); GQA, SGLang's Hopper default or flashinfer."""
     if layout == KVLayout.DSA:
         return sglang_default_backend(layout, arch)
-    if layout == KVLayout.MLA:
-        return "fa3" if arch == "sm90" else "flashinfer"
     return "fa3" if arch == "sm90" else "flashinfer"
 
 
@@ -105,5 +106,6 @@ def sglang_effective_scale(layout: KVLayout, backend: str, scales_loaded: bool) 
 
 
 def consistent_sglang_backend() -> str:
-    """The MLA backend that divides by the calibrated scale on write and multiplies on read."""
+    """The MLA backend that divides by the calibrated scale on write and multiplies on read (on its MLA paths:
+    a fresh prompt prefilled eagerly takes the MHA path, which writes a plain cast; docs/serving.md)."""
     return next(b.name for b in BACKENDS if b.engine == "sglang" and b.verdict == "consistent")

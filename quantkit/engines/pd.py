@@ -17,9 +17,10 @@ source, the decode on quantkit's INT4 output, with attention backends that agree
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from quantkit.arch import KVLayout
+from quantkit.core.jsontypes import JSONObject
 from quantkit.engines.kv_backends import GpuArch, sglang_backend, sglang_effective_scale
 from quantkit.engines.verdicts import CheckpointFacts, engine_verdicts
 
@@ -45,7 +46,8 @@ def resolve_kv_dtype_str(cli: str, fp8_kv_cache_scheme: bool) -> str:
 
 def gpu_arch(gpu_key: str) -> GpuArch:
     """The SM family SGLang's defaults branch on for a GPU catalog key."""
-    return {"h100": "sm90", "h200": "sm90", "h20": "sm90", "b200": "sm100"}.get(gpu_key, "other")
+    return {"h100": "sm90", "h200": "sm90", "h20": "sm90", "b200": "sm100", "b300": "sm100",
+            "gb200": "sm100"}.get(gpu_key, "other")
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,11 @@ class PDPair:
     gives_up: str  # what the prefill gives up against the production split (BF16 KV on prefill)
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PDPair:
+    def from_dict(cls, data: JSONObject) -> PDPair:
         return cls(PDSide(**data["prefill"]), PDSide(**data["decode"]), PDRouter(**data["router"]),
                    str(data.get("gives_up", "")), list(data.get("notes", [])))
 
@@ -139,13 +141,11 @@ def pd_pair(facts: CheckpointFacts, *, source: str = "<fp8-source>", output: str
     """The default pair for a quantkit checkpoint (`facts`): prefill on the FP8 source, decode on the output,
     both with FP8 KV at the same scale and byte layout. `*_extra` are deployment args (memory, EP, ...)."""
     sglang = engine_verdicts(facts, ("sglang",))["sglang"]
-    int4_args = _without_flag(_without_flag(sglang.args, "--kv-cache-dtype"), "--attention-backend")
+    int4_args = _side_args(sglang.args)
     calibrated = sglang.kv_cache.scale == "calibrated"
     layout = facts.adapter.kv_layout
-    backend = sglang_backend(layout, arch)
     same = prefill_weights == weights  # both sides load quantkit's output (e.g. Kimi: only INT4 fits)
-    if same and calibrated and layout == KVLayout.MLA:
-        backend = sglang.kv_cache.attention_backend  # same scales on both sides: the backend that applies them
+    backend = _pair_backend(layout, arch, calibrated, same)
     prefill = _side("prefill", facts, output if same else source, prefill_weights, calibrated and same, arch, tp,
                     page_size, (int4_args if same else []) + list(prefill_extra or []), backend)
     decode = _side("decode", facts, output, weights, calibrated, arch, tp, page_size,
@@ -161,11 +161,44 @@ def pd_pair(facts: CheckpointFacts, *, source: str = "<fp8-source>", output: str
                 f"FP8 once{at_one}; the production split (BF16 on prefill, FP8 on decode) needs a KV hand-off that "
                 "converts dtypes, which stock SGLang does not have (quantkit's SGLang plugin does: "
                 "`quantkit plan --pd --split`)")
-    notes = []
-    if calibrated and layout == KVLayout.MLA and not same:
-        notes.append(f"the decode's calibrated KV scales are not applied: the prefill's FP8 source has none, so both "
-                     f"sides run scale 1.0 ({decode.attention_backend} ignores the checkpoint scale)")
+    notes = _pair_notes(layout, arch, calibrated, same, decode.attention_backend)
     return PDPair(prefill, decode, router, gives_up, notes)
+
+
+def _side_args(args: list[str]) -> list[str]:
+    """A side's checkpoint args without the KV flags the pair sets itself."""
+    for flag in ("--kv-cache-dtype", "--attention-backend", "--page-size"):
+        args = _without_flag(args, flag)
+    return args
+
+
+def _pair_backend(layout: KVLayout, arch: GpuArch, calibrated: bool, same: bool) -> str:
+    """The attention backend both sides pin (quantkit/engines/kv_choice.py): for MLA, the fastest backend
+    consistent at scale 1.0 -- unless the decode checkpoint ships calibrated scales: then triton when both sides
+    load them, else a backend that ignores them (the FP8 source's pages are a plain cast); for DSA, flashmla_kv
+    (per-tile rows) on every GPU."""
+    from quantkit.engines.kv_choice import DSA_BACKEND, UNIT_BACKEND
+
+    if layout == KVLayout.DSA:  # per-tile 656 B rows on every GPU: raw 576 B rows measured above the threshold
+        return DSA_BACKEND
+    if layout != KVLayout.MLA:
+        return sglang_backend(layout, arch)
+    if calibrated:
+        return "triton" if same else sglang_backend(layout, arch)
+    return UNIT_BACKEND[arch]
+
+
+def _pair_notes(layout: KVLayout, arch: GpuArch, calibrated: bool, same: bool, backend: str) -> list[str]:
+    if layout != KVLayout.MLA or not calibrated:
+        return []
+    if same:
+        return ["both sides apply the calibrated scales (triton); the prefill writes prompt rows divided by "
+                "k_scale only inside its prefill CUDA graph, eager prefills write a plain cast the decode reads "
+                "x k_scale (docs/serving.md); --kv-scales unit avoids it"]
+    return [f"the decode's calibrated KV scales are not applied: the prefill's FP8 source has none, so both sides "
+            f"run scale 1.0 ({backend} ignores the checkpoint scale, and converts the whole FP8 pool to BF16 on "
+            "every layer: sglang#35291); a checkpoint converted with --kv-scales unit pins the fastest backend "
+            "instead (docs/serving.md)"]
 
 
 def _without_flag(args: list[str], flag: str) -> list[str]:
@@ -241,7 +274,7 @@ def pd_split(facts: CheckpointFacts, *, source: str = "<fp8-source>", output: st
     calibrated = sglang.kv_cache.scale == "calibrated"
     backend = "flashmla_kv" if layout == KVLayout.DSA else (
         sglang.kv_cache.attention_backend if calibrated else plain.decode.attention_backend)
-    int4_args = _without_flag(_without_flag(sglang.args, "--kv-cache-dtype"), "--attention-backend")
+    int4_args = _side_args(sglang.args)
     decode = _side("decode", facts, output, weights, calibrated, arch, tp, page_size,
                    int4_args + list(decode_extra or []), backend)
     bf16_row, bf16_bytes = _kv_row(facts, False, None)

@@ -164,6 +164,9 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
     if a.kv_layout == KVLayout.DSA:
         kv = KVCacheUse("auto", "per-tile", "DSA: the engine computes FP8 tile scales itself; no checkpoint scales",
                         "DSA default (FP8: flashmla_kv on SM90, trtllm on SM100)")
+        notes.append("Blackwell: SGLang's FP8 DSA default (trtllm) stores raw 576 B rows, measured above the KV "
+                     "rule's threshold against flashmla_kv's per-tile rows (docs/serving.md): add "
+                     "--dsa-prefill-backend flashmla_kv --dsa-decode-backend flashmla_kv there")
         if facts.kv_cache_scheme:
             problems.append("kv_cache_scheme on a DSA model switches SGLang to FP8 KV with no scale to apply")
     elif not facts.kv_cache_scheme:
@@ -172,19 +175,7 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
             warnings.append("KV scales present without kv_cache_scheme: SGLang ignores them")
     elif a.kv_layout == KVLayout.MLA:
         if _has_scales(facts, ("k_proj.k_scale", "attn_mqa.k_scale")):
-            # The MLA pool writes with a plain cast; only triton divides by k_scale on write and multiplies on
-            # read. SGLang's defaults (fa3 on SM90: scale ignored; trtllm_mla on SM100, flashmla: read x k_scale
-            # only) never apply it consistently (quantkit/engines/kv_backends.py, tests/test_kv_backends.py).
-            from quantkit.engines.kv_backends import consistent_sglang_backend
-
-            backend = consistent_sglang_backend()
-            args += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", backend]
-            kv = KVCacheUse("fp8_e4m3", "calibrated", "FP8 KV with the calibrated per-layer scale "
-                            f"(self_attn.k_proj.k_scale -> attn_mqa.k_scale), applied on write and read by "
-                            f"--attention-backend {backend}", backend)
-            notes.append(f"--attention-backend {backend} is pinned: SGLang's MLA defaults read FP8 KV x k_scale "
-                         "without dividing on write (flashmla, trtllm_mla, cutedsl_mla) or ignore the scale (fa3, "
-                         "flashinfer)")
+            kv = _sglang_mla_scales(facts, args, notes, warnings)
         else:
             # deepseek_weight_loader.py: do_load_weights remaps only k_proj/v_proj scale names.
             kv = KVCacheUse("fp8_e4m3", "1.0", "self_attn.k_scale is not a name SGLang loads: KV silently FP8 "
@@ -192,7 +183,12 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
             problems.append("MLA KV scales under names SGLang skips while kv_cache_scheme switches it to FP8 KV "
                             "at scale 1.0 (convert again with this quantkit version, which writes both spellings)")
     else:  # GQA
-        if not q.sglang_loads_kv_scales:
+        if not q.sglang_loads_kv_scales and facts.kv_scale_mode == "unit":
+            # unscaled GLM-4.x KV: the scale SGLang applies without loading one (1.0) is the checkpoint's
+            args += ["--kv-cache-dtype", "fp8_e4m3"]
+            kv = KVCacheUse("fp8_e4m3", "1.0", "FP8 KV at scale 1.0: the checkpoint's KV scales are 1.0 (chosen by "
+                            "measurement, docs/serving.md) and SGLang, which loads none for this family, applies 1.0")
+        elif not q.sglang_loads_kv_scales:
             # glm4_moe.py: Glm4MoeAttention builds RadixAttention without quant_config: no k_scale parameter.
             args += ["--kv-cache-dtype", "bfloat16"]
             kv = KVCacheUse("bfloat16", "none", "SGLang cannot load this family's GQA KV scales; "
@@ -220,6 +216,43 @@ def _sglang(facts: CheckpointFacts) -> EngineVerdict:
     return _verdict("sglang", args, kv, notes, warnings, problems, ignored, facts.scheme)
 
 
+def _sglang_mla_scales(facts: CheckpointFacts, args: list[str], notes: list[str],
+                       warnings: list[str]) -> KVCacheUse:
+    """MLA with KV scales SGLang loads: the backend that applies them as the record says (kv_choice.py).
+
+    Calibrated: the MLA pool writes with a plain cast; only triton divides by k_scale on write and multiplies on
+    read (flashmla, trtllm_mla, cutedsl_mla read x k_scale only; fa3, flashinfer ignore it; kv_backends.py) --
+    and triton divides only on its MLA paths: a fresh prompt prefilled eagerly takes the MHA path, which writes
+    a plain cast (executed: tests/engines/test_kv_kl.py). Unit (every scale 1.0): every backend is consistent,
+    the fastest one is pinned."""
+    from quantkit.engines.kv_choice import MEASURED, UNIT_BACKEND, sglang_mla_backend
+
+    backend = sglang_mla_backend(facts.kv_scale_mode, "sm90")
+    if facts.kv_scale_mode == "unit":
+        args += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", backend, "--page-size", "64"]
+        notes.append(f"--attention-backend {backend} --page-size 64 is pinned: the checkpoint's KV scales are 1.0, "
+                     "which every SGLang MLA backend applies consistently, and the planner's attention term ranks "
+                     f"it fastest on Hopper (Blackwell: {UNIT_BACKEND['sm100']}); fa3 and flashinfer convert the "
+                     "whole FP8 pool to BF16 on every layer (sglang#35291); docs/serving.md")
+        return KVCacheUse("fp8_e4m3", "1.0", "FP8 KV at scale 1.0: the checkpoint ships KV scales of 1.0, chosen by "
+                          "measurement (docs/serving.md, quantkit/engines/kv_choice.py)", backend)
+    args += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", backend]
+    notes.append(f"--attention-backend {backend} is pinned: SGLang's MLA defaults read FP8 KV x k_scale without "
+                 "dividing on write (flashmla, trtllm_mla, cutedsl_mla) or ignore the scale (fa3, flashinfer)")
+    eager = MEASURED.get(KVLayout.MLA)
+    measured = (f" (measured on the tiny MLA model: KL {eager.kl_eager:.2e}, {eager.kl_eager / eager.kl_int4:.0f}x "
+                "the INT4 weights' own)") if eager and eager.kl_eager and eager.kl_int4 else ""
+    warnings.append("calibrated MLA KV scales are applied consistently only to prompts SGLang prefills inside its "
+                    "breakable prefill CUDA graph (its MLA path divides by k_scale); a fresh prompt prefilled "
+                    "eagerly (a batch over the captured token buckets, logprob requests, --disable-cuda-graph, "
+                    "pp / dcp / two-batch overlap) takes the MHA path, which writes a plain cast that the decode "
+                    f"then reads x k_scale{measured}; --enable-deterministic-inference forces the MLA path, or "
+                    "convert with --kv-scales unit (docs/serving.md)")
+    return KVCacheUse("fp8_e4m3", "calibrated", "FP8 KV with the calibrated per-layer scale "
+                      f"(self_attn.k_proj.k_scale -> attn_mqa.k_scale), applied on write and read by "
+                      f"--attention-backend {backend}", backend)
+
+
 def _vllm(facts: CheckpointFacts) -> EngineVerdict:
     a, q = facts.adapter, facts.adapter.record.quirks
     args: list[str] = []
@@ -244,7 +277,9 @@ def _vllm(facts: CheckpointFacts) -> EngineVerdict:
         warnings.append("calibrated KV scales are not applied by vLLM for MLA (kept for SGLang and transformers)")
     elif facts.kv_cache_scheme:
         args += ["--kv-cache-dtype", "fp8"]
-        kv = KVCacheUse("fp8", "calibrated", "FP8 KV with calibrated K and V scales (self_attn.attn.k_scale)")
+        kv = (KVCacheUse("fp8", "1.0", "FP8 KV with the checkpoint's K and V scales of 1.0 (chosen by measurement, "
+                         "docs/serving.md)") if facts.kv_scale_mode == "unit" else
+              KVCacheUse("fp8", "calibrated", "FP8 KV with calibrated K and V scales (self_attn.attn.k_scale)"))
     else:
         kv = KVCacheUse("auto", "none", "KV scales present without kv_cache_scheme: vLLM creates no KV method")
         warnings.append(kv.detail)

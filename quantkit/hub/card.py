@@ -278,6 +278,16 @@ def _kv_section(config: JSONObject, kv_report: JSONObject | None, record: JSONOb
                      f"{len(kv_report.get('layers', []))} layers): {kv_report.get('note', '')}. Per-layer "
                      "saturation and underflow: `kv_cache_report.json`.")
     serving = record.get("serving") or {}
+    choice = (serving.get("sglang") or {}).get("kv_choice")
+    if choice:  # quantkit/engines/kv_choice.py: which scales ship, both options measured and modelled
+        opts, speed = choice["options"], choice.get("speed") or {}
+        kl = {m: f"{opts[m]['kl']:.2e}" if opts[m].get("kl") is not None else "not measured" for m in opts}
+        why = (kv_report or {}).get("scales", {}).get("why", "")
+        modelled = (f"; modelled decode {speed['speed_delta_unit_over_calibrated']:+.0%} for 1.0 at "
+                    f"{speed['requests']} x {speed['context'] // 1024}K on {speed['gpu']}") if speed else ""
+        lines.append(f"Scales shipped: **{choice['shipped']}** ({why}). Options: calibrated on SGLang "
+                     f"`{opts['calibrated']['backend']}` (KL {kl['calibrated']}), 1.0 on `{opts['unit']['backend']}` "
+                     f"(KL {kl['unit']}), measured on quantkit's tiny model (`{choice['measured_by']}`){modelled}.")
     applied = [[e, (serving[e].get("kv_cache") or {}).get("dtype", "?"), (serving[e].get("kv_cache") or {}).get(
         "scale", "?"), (serving[e].get("kv_cache") or {}).get("detail", "")] for e in ENGINES if e in serving]
     if applied:

@@ -11,7 +11,8 @@ from quantkit.plan.catalog import GIB, get_gpu
 from quantkit.plan.inventory import PrecisionPlan
 from quantkit.plan.models import resolve_model
 from quantkit.plan.planner import Deployment, plan_one
-from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds, prefill_tok_s
+from quantkit.plan.prefill import prefill_tok_s
+from quantkit.plan.throughput import PRODUCTION, decode_gain, decode_step_seconds
 
 __all__ = ["figures", "main"]
 
@@ -76,7 +77,35 @@ def figures() -> list[tuple[str, float, float, str]]:
         value = prefill_tok_s(config, PrecisionPlan(weights), h200, 8, PRODUCTION["context"])
         out.append((f"GLM-5.2 prefill, {weights.upper()} (fitted)", target, value, "tok/s"))
     peak = k_fp8["decode_tok_s_at_full_batch"] / k_bf16["decode_tok_s_at_full_batch"] - 1
-    out.append(("Kimi FP8-KV peak decode throughput gain (predicted)", 41, 100 * peak, "%"))
+    out.append((f"Kimi FP8-KV peak decode throughput gain (fitted on flashmla; plan pins "
+                f"{k_fp8['attention']['pinned']})", 41, 100 * peak, "%"))
+    return out + attention_figures()
+
+
+def attention_figures() -> list[tuple[str, float, float, str]]:
+    """The FP8 KV terms (quantkit/plan/attention.py, fitted in throughput.fit_decode) on the figures they were
+    fitted on and on figures they never saw (sources in docs/planner.md)."""
+    from quantkit.plan.attention import FP8_WRITE_FLASHMLA_S
+    from quantkit.plan.throughput import PRODUCTION_KV, fit_decode
+
+    kv, out = PRODUCTION_KV, []
+    one = (decode_step_seconds(kv.model, "h200", 8, 1, kv.context_1, "int4", "fp8", "flashmla")
+           / decode_step_seconds(kv.model, "h200", 8, 1, kv.context_1, "int4", "bf16", "flashmla") - 1)
+    out.append(("Kimi FP8-KV decode step time vs BF16 KV, one request (fitted, flashmla)", 100 * kv.slower_at_1,
+                100 * one, "%"))
+    b200 = ((5275, 1, 65, 62), (5275, 44, 885, 912), (1536, 1, 79, 78), (1536, 64, 1969, 1998))  # sglang#8638
+    for context, batch, fp16, fp8 in b200:
+        model = (decode_step_seconds("deepseek-v3", "b200", 8, batch, context, "fp8", "bf16", "trtllm_mla")
+                 / decode_step_seconds("deepseek-v3", "b200", 8, batch, context, "fp8", "fp8", "trtllm_mla") - 1)
+        out.append((f"B200 trtllm_mla FP8-KV decode speed vs FP16, {batch} req at {context} (held out)",
+                    100 * (fp8 / fp16 - 1),
+                    100 * model, "%"))
+    out.append(("flashmla FP8 write per 61-layer step (held out)", FP8_WRITE_FLASHMLA_S * 61e3,
+                2 * fit_decode().c_w * 61e3, "ms"))
+    fa3 = decode_step_seconds("deepseek-v3", "h200", 8, 1, 2048, "fp8", "fp8", "fa3", 131072)
+    flashmla = decode_step_seconds("deepseek-v3", "h200", 8, 1, 2048, "fp8", "fp8", "flashmla", 131072)
+    out.append(("fa3 minus flashmla step, FP8 KV, 131K pool (consistency: C_POOL is from it)", 13.84,
+                (fa3 - flashmla) * 1e3, "ms"))
     return out
 
 

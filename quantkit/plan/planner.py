@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from quantkit.arch import get_adapter
 from quantkit.core.errors import QuantkitError
 from quantkit.core.jsontypes import JSONObject
+from quantkit.engines.kv_choice import RequestedScales, choose_scale_mode
+from quantkit.plan.attention_plan import attention_table, pinned_backend
 from quantkit.plan.catalog import GIB, GPU
 from quantkit.plan.inventory import (
     PrecisionPlan,
@@ -22,13 +24,12 @@ from quantkit.plan.inventory import (
 from quantkit.plan.kv import KV_DTYPES
 from quantkit.plan.memory import Assumptions, max_concurrent_requests, plan_memory
 from quantkit.plan.models import ModelSource
+from quantkit.plan.prefill import fit_prefill, prefill_tok_s
 from quantkit.plan.throughput import (
     EFF_BANDWIDTH,
     EFF_COMPUTE,
     decode_tok_s,
     fit_decode,
-    fit_prefill,
-    prefill_tok_s,
 )
 
 __all__ = ["Deployment", "plan_compare", "plan_one", "resolve_plan"]
@@ -88,6 +89,8 @@ def _assumption_table(source: ModelSource, dep: Deployment, tensors_from: str) -
             "eff_compute": EFF_COMPUTE,
             "decode_t_layer_s": dfit.t_layer,
             "decode_t_fp8_call_s": dfit.t_fp8_call,
+            "decode_c_w_s": dfit.c_w,
+            "decode_c_fp8_s": dfit.c_fp8,
             "prefill_int4_dequant_penalty": pfit.int4_dequant_penalty,
             "prefill_t_layer_token_s": pfit.t_layer_token,
         }
@@ -102,8 +105,10 @@ def plan_one(
     kv: str,
     tensors: list[SizedTensor] | None = None,
     tensors_from: str = "config.json inventory",
+    kv_scales: RequestedScales = "auto",
 ) -> JSONObject:
-    """Everything `quantkit plan` reports for one weights plan and KV dtype (JSON-ready)."""
+    """Everything `quantkit plan` reports for one weights plan and KV dtype (JSON-ready); decode speeds are on
+    the attention backend the serving record pins for the KV scales `kv_scales` resolves to."""
     if kv not in KV_DTYPES:
         raise QuantkitError(f"--kv {kv!r}: expected one of {', '.join(KV_DTYPES)}")
     config = source.config
@@ -117,7 +122,13 @@ def plan_one(
         mem.node_kv_capacity_tokens, dep.context, a.page_size, a.headroom_tokens
     )
     full_batch = max(1, concurrent)
-    curve = {str(b): decode_tok_s(config, plan, dep.gpu, dep.tp, b, dep.context, kv) for b in DECODE_CURVE}
+    mode = choose_scale_mode(adapter.kv_layout, kv_scales)[0]
+    backend, pool = pinned_backend(config, kv, mode, dep.gpu), mem.kv_capacity_tokens
+
+    def tok_s(batch: int) -> float:
+        return decode_tok_s(config, plan, dep.gpu, dep.tp, batch, dep.context, kv, backend, pool)
+
+    curve = {str(b): tok_s(b) for b in DECODE_CURVE}
     return {
         "model": source.name,
         "weights": plan.label,
@@ -142,22 +153,20 @@ def plan_one(
         "node_kv_capacity_tokens": mem.node_kv_capacity_tokens,
         "context": dep.context,
         "max_concurrent_requests": concurrent,
-        "decode_tok_s": curve.get(str(dep.batch))
-        or decode_tok_s(config, plan, dep.gpu, dep.tp, dep.batch, dep.context, kv),
-        "decode_tok_s_per_request_at_full_batch": decode_tok_s(
-            config, plan, dep.gpu, dep.tp, full_batch, dep.context, kv
-        )
-        / full_batch,
-        "decode_tok_s_at_full_batch": decode_tok_s(config, plan, dep.gpu, dep.tp, full_batch, dep.context, kv)
-        if concurrent
-        else 0.0,
+        "decode_tok_s": curve.get(str(dep.batch)) or tok_s(dep.batch),
+        "decode_tok_s_per_request_at_full_batch": tok_s(full_batch) / full_batch,
+        "decode_tok_s_at_full_batch": tok_s(full_batch) if concurrent else 0.0,
         "decode_curve_tok_s": curve,
+        "attention": attention_table(config, plan, dep.gpu, dep.tp, kv, pool, mem.node_kv_capacity_tokens,
+                                     a.page_size, a.headroom_tokens, mode),
         "prefill_tok_s": prefill_tok_s(config, plan, dep.gpu, dep.tp, dep.context),
         "assumptions": _assumption_table(source, dep, tensors_from),
     }
 
 
-def plan_compare(source: ModelSource, dep: Deployment, group_size: int = 32) -> list[JSONObject]:
+def plan_compare(source: ModelSource, dep: Deployment, group_size: int = 32,
+                 kv_scales: RequestedScales = "auto") -> list[JSONObject]:
     """The weights {bf16, fp8, int4} (+ nvfp4 on a GPU with FP4 tensor cores) x KV {bf16, fp8} table."""
     weights = ("bf16", "fp8", "int4") + (("nvfp4",) if dep.gpu.fp4_tflops else ())
-    return [plan_one(source, dep, PrecisionPlan(w, group_size), kv) for w in weights for kv in KV_DTYPES]
+    return [plan_one(source, dep, PrecisionPlan(w, group_size), kv, kv_scales=kv_scales) for w in weights
+            for kv in KV_DTYPES]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from quantkit.arch import KVLayout
 from quantkit.core.jsontypes import JSONObject
+from quantkit.engines.kv_choice import RequestedScales
 from quantkit.engines.pd import PDPair, gpu_arch, pd_pair, pd_problems, pd_split
 from quantkit.engines.verdicts import engine_verdicts, facts_from_recipe
 
@@ -77,14 +78,15 @@ def sglang_flags(args: list[str]) -> str:
 
 
 def pd_record(config: JSONObject, prefill: JSONObject, decode: JSONObject, group_size: int,
-              split: bool = False) -> PDPair:
+              split: bool = False, kv_scales: RequestedScales = "auto") -> PDPair:
     """The PD pair for the chosen rows: prefill on the FP8 source, decode on quantkit's INT4 output; with `split`,
     the production split through quantkit's SGLang plugin (BF16 KV on the prefill; MLA/DSA models only)."""
     from quantkit.quant.recipe import load_recipe
 
     roles = load_recipe(None, config).quantize_roles
     int4 = decode["weights"].startswith("int4")
-    facts = facts_from_recipe(config, group_size, roles if int4 else (), decode["kv"] == "fp8")
+    facts = facts_from_recipe(config, group_size, roles if int4 else (), decode["kv"] == "fp8",
+                              kv_scale_mode=None if kv_scales == "auto" else kv_scales)
     a = decode["assumptions"]
     build = pd_split if split else pd_pair
     return build(facts, source=f"<{prefill['weights']}-source>", output=f"<{decode['weights']}-checkpoint>",
@@ -93,18 +95,20 @@ def pd_record(config: JSONObject, prefill: JSONObject, decode: JSONObject, group
                    prefill_extra=_deployment_args(prefill, "prefill"), decode_extra=_deployment_args(decode, "decode"))
 
 
-def recommend(rows: list[JSONObject], config: JSONObject, group_size: int = 32) -> JSONObject:
-    """Pick the prefill and decode plans from a `plan_compare` table, with launch flags."""
+def recommend(rows: list[JSONObject], config: JSONObject, group_size: int = 32,
+              kv_scales: RequestedScales = "auto") -> JSONObject:
+    """Pick the prefill and decode plans from a `plan_compare` table, with launch flags (the KV scales the decode
+    checkpoint ships: `kv_scales`, auto = the measured rule of quantkit.engines.kv_choice)."""
     prefill = _best(rows, "prefill_tok_s", kv="bf16") or _best(rows, "prefill_tok_s")
     decode = _best(rows, "decode_tok_s_at_full_batch")
     out: JSONObject = {"prefill": None, "decode": None, "pd": None}
     if not (prefill and decode):
         out["note"] = "no PD pair: a side has no plan that fits"
         return out
-    pair = pd_record(config, prefill, decode, group_size)
+    pair = pd_record(config, prefill, decode, group_size, kv_scales=kv_scales)
     out["pd"] = pair.to_dict()
     if facts_from_recipe(config, group_size, (), False).adapter.kv_layout != KVLayout.GQA:
-        out["pd_split"] = pd_record(config, prefill, decode, group_size, split=True).to_dict()
+        out["pd_split"] = pd_record(config, prefill, decode, group_size, split=True, kv_scales=kv_scales).to_dict()
     out["prefill"] = {"weights": prefill["weights"], "kv": "fp8", "planned_kv": prefill["kv"],
                       "prefill_tok_s": prefill["prefill_tok_s"], "sglang": sglang_flags(pair.prefill.args)}
     out["decode"] = {"weights": decode["weights"], "kv": decode["kv"],

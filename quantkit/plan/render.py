@@ -68,6 +68,10 @@ def plan_text(row: JSONObject) -> str:
         f"  prefill (model)        {row['prefill_tok_s']:,.0f} tok/s"
         + ("" if row["fits"] else "   (if it fit)"),
     ]
+    if row.get("attention"):
+        from quantkit.plan.attention_plan import attention_text
+
+        lines.append(attention_text(row["attention"]))
     return "\n".join(lines)
 
 

@@ -1,23 +1,29 @@
-"""A throughput *model* for decode and prefill, calibrated on the production GLM-5.2 figures.
+"""A throughput *model* for decode, calibrated on the production GLM-5.2 and Kimi-K2.6 figures (prefill:
+quantkit/plan/prefill.py).
 
 It is a model, not a measurement. Decode at small batch is bound by memory traffic plus fixed
 per-step costs, so one decode step is modelled as
 
     t_step = layers * t_layer                      fixed per-layer cost (launches, all-reduces)
            + fp8_calls * t_fp8_call                extra cost of each FP8 block-scaled Linear call
-           + bytes_read / (bandwidth * eff_bw)     weights touched + KV read
+           + bytes_read / (bandwidth * eff_bw)     weights touched (+ the DSA indexer's keys)
            + flops / (peak * eff_compute)          matters only at large batch
+           + layers * t_attn(backend)              decode attention of the SGLang backend (quantkit.plan.attention:
+                                                   published kernel figures; FP8 KV adds its write kernels, a
+                                                   per-token read cost and, on fa3 / flashinfer MLA, the
+                                                   per-layer conversion of the whole pool)
 
 where `bytes_read` counts the weights every step reads (attention, shared experts, dense MLPs,
 lm_head, as SGLang shards them) plus the routed experts the batch activates: with uniform routing
-a batch of b tokens touches E * (1 - (1 - k/E)^b) distinct experts per MoE layer. Prefill is
-compute-bound: per token, Linear FLOPs at the weights' tensor-core rate (INT4 runs W4A16 at the
-BF16 rate, times 1 + a dequant penalty) plus attention FLOPs, plus a fixed per-layer cost.
+a batch of b tokens touches E * (1 - (1 - k/E)^b) distinct experts per MoE layer.
 
-`t_layer` and `t_fp8_call` are fitted to the report's 60 (FP8) and 92 (INT4) tok/s at one request;
-the dequant penalty and the prefill per-layer cost to its 10,160 / 8,660 prefill tok/s. The
-efficiencies are priors, not fits. The 8- and 32-request gains are predictions, reported with
-their error in docs/benchmarks.md.
+Four constants are solved from four production figures (one linear system, `fit_decode`): `t_layer` and
+`t_fp8_call` from GLM-5.2's 60 (FP8) and 92 (INT4) tok/s at one request (FP8 KV, context 8192 assumed); `c_w`
+(per extra FP8 KV kernel) and `c_fp8` (per KV token read) from Kimi-K2.6 INT4 on 8 x H200: FP8 KV "a few percent
+slower" than BF16 at one request (3%) and +41% maximum throughput (31 BF16 vs 64 FP8 requests at 21,437
+tokens), the production attention backend assumed (`PRODUCTION_ATTENTION`). The efficiencies are priors, not
+fits. GLM-5.2's 8- and 32-request gains, B200's FP8-KV figures and flashmla's measured write cost are
+predictions, reported with their error (docs/benchmarks.md, tests/test_plan_attention.py).
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from quantkit.arch import Adapter, Role, get_adapter
 from quantkit.core.errors import QuantkitError
+from quantkit.core.jsontypes import JSONObject
+from quantkit.engines.pd import gpu_arch
+from quantkit.plan.attention import kernel, layer_seconds
 from quantkit.plan.catalog import GPU, get_gpu
 from quantkit.plan.inventory import PrecisionPlan, native_plan, size_model
 from quantkit.plan.kv import kv_layer_bytes
@@ -38,21 +46,23 @@ from quantkit.plan.models import resolve_model
 
 __all__ = [
     "PRODUCTION",
+    "PRODUCTION_ATTENTION",
+    "PRODUCTION_KV",
+    "ProductionKV",
     "DecodeFit",
-    "PrefillFit",
     "StepProfile",
     "decode_gain",
+    "attention_seconds",
     "decode_step_seconds",
     "decode_tok_s",
     "fit_decode",
-    "fit_prefill",
-    "prefill_tok_s",
+    "reference_backend",
     "step_profile",
 ]
 
 # The production report's figures (GLM-5.2, 8 x H200, TP8, SGLang). Context lengths are not
 # stated there; the model assumes 8192 tokens for both.
-PRODUCTION: dict[str, Any] = {
+PRODUCTION: JSONObject = {
     "model": "glm-5.2",
     "gpu": "h200",
     "tp": 8,
@@ -74,18 +84,12 @@ class DecodeFit:
 
     t_layer: float
     t_fp8_call: float
+    c_w: float = 0.0  # per extra FP8 KV kernel (write, query quantization) and attention layer
+    c_fp8: float = 0.0  # FP8 KV read overhead per KV token and attention layer
+    t_req: float = 0.0  # per request and step (not fitted: 0; kept for sensitivity studies)
     eff_bandwidth: float = EFF_BANDWIDTH
     eff_compute: float = EFF_COMPUTE
     int4_stream_ratio: float = INT4_STREAM_RATIO
-
-
-@dataclass(frozen=True)
-class PrefillFit:
-    """Fitted prefill constants: INT4 dequant penalty (fraction of GEMM time) and seconds per layer-token."""
-
-    int4_dequant_penalty: float
-    t_layer_token: float
-    eff_compute: float = EFF_COMPUTE
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,10 @@ class StepProfile:
     indexer_layers: int
     index_topk: int  # DSA: KV rows attention reads per request (0 = all)
     attn_flops_per_pos: float  # attention FLOPs per (token, past position), whole model, all GPUs
+    kv_layout: str = "mla"
+    heads_local: int = 1  # query heads per GPU
+    latent: int = 512  # V width the attention produces per head (MLA: kv_lora_rank; GQA: head_dim)
+    kv: str = "fp8"
 
 
 def _compute_dtype(fmt: str) -> str:
@@ -114,7 +122,7 @@ def _compute_dtype(fmt: str) -> str:
     return "fp8" if fmt == "fp8" else "int4" if fmt in ("int4", "nvfp4", "mxfp4") else "bf16"
 
 
-def _attention_flops_per_pos(text: dict[str, Any], adapter: Adapter) -> float:
+def _attention_flops_per_pos(text: JSONObject, adapter: Adapter) -> float:
     heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
     if adapter.kv_layout == "gqa":
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
@@ -126,7 +134,7 @@ def _attention_flops_per_pos(text: dict[str, Any], adapter: Adapter) -> float:
 _PROFILES: dict[tuple[str, PrecisionPlan, int, str], StepProfile] = {}
 
 
-def step_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
+def step_profile(config: JSONObject, plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
     """Per-GPU bytes and FLOPs of one decode step (target model only; MTP layers excluded)."""
     key = (json.dumps(config, sort_keys=True), plan, tp, kv)
     if key not in _PROFILES:
@@ -134,7 +142,7 @@ def step_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) 
     return _PROFILES[key]
 
 
-def _build_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
+def _build_profile(config: JSONObject, plan: PrecisionPlan, tp: int, kv: str) -> StepProfile:
     adapter = get_adapter(config)
     text = adapter.config
     static = 0.0
@@ -182,6 +190,12 @@ def _build_profile(config: dict[str, Any], plan: PrecisionPlan, tp: int, kv: str
         indexer_layers=indexer_layers if per_layer["indexer"] else 0,
         index_topk=int(text.get("index_topk") or 0) if adapter.kv_layout == "dsa" else 0,
         attn_flops_per_pos=_attention_flops_per_pos(text, adapter),
+        kv_layout=str(adapter.kv_layout.value),
+        heads_local=max(1, int(text["num_attention_heads"]) // tp),
+        latent=int(text.get("kv_lora_rank") or text.get("head_dim") or int(text["hidden_size"]) // int(
+            text["num_attention_heads"])) if adapter.kv_layout != "gqa" else int(
+            text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])),
+        kv=kv,
     )
 
 
@@ -192,99 +206,61 @@ def distinct_experts(n_experts: int, top_k: int, batch: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
 
 
-def _kv_read_bytes(p: StepProfile, batch: int, context: int) -> float:
-    attended = min(context, p.index_topk) if p.index_topk else context
-    per_request = attended * p.kv_layer * p.layers + context * p.indexer_layer * p.indexer_layers
-    return float(batch * per_request)
+def _indexer_read_bytes(p: StepProfile, batch: int, context: int) -> float:
+    """DSA: the indexer reads its keys of the whole context on its layers (the attention term reads the rest)."""
+    return float(batch * context * p.indexer_layer * p.indexer_layers)
 
 
 def _variable_seconds(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit) -> float:
-    """Bandwidth and compute time of one step (everything but the fixed costs)."""
+    """Bandwidth and compute time of one step outside attention (everything but the fixed costs)."""
     experts = distinct_experts(p.n_experts, p.top_k, batch) * p.moe_layers * p.expert_bytes
     if p.expert_fmt in ("int4", "nvfp4", "mxfp4"):
         experts /= fit.int4_stream_ratio
-    read = p.static_bytes + experts + _kv_read_bytes(p, batch, context)
+    read = p.static_bytes + experts + _indexer_read_bytes(p, batch, context)
     t = read / (gpu.bandwidth_bytes_s * fit.eff_bandwidth)
     for dtype, f in p.flops_per_token.items():
         t += batch * f / (gpu.flops("fp8" if dtype == "fp8" else "bf16") * fit.eff_compute)
     return t
 
 
-def _step(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit) -> float:
-    fixed = p.layers * fit.t_layer + p.fp8_calls * fit.t_fp8_call
-    return fixed + _variable_seconds(p, gpu, batch, context, fit)
+def reference_backend(layout: str, gpu: GPU) -> str:
+    """The backend the planner assumes when none is named: the fastest unit-scale one SGLang runs on the GPU
+    (FlashMLA on Hopper, trtllm-gen on Blackwell, per docs/planner.md), DSA's default, fa3 / flashinfer for GQA."""
+    arch = gpu_arch(gpu.key)
+    if layout == "dsa":
+        return "trtllm" if arch == "sm100" else "flashmla_kv"
+    if layout == "gqa":
+        return "fa3" if arch == "sm90" else "flashinfer"
+    return {"sm90": "flashmla", "sm100": "trtllm_mla"}.get(arch, "triton")
 
 
-@lru_cache(maxsize=1)
-def fit_decode() -> DecodeFit:
-    """Solve t_layer and t_fp8_call so that the model gives the report's 60 / 92 tok/s at one request."""
-    prod = PRODUCTION
-    config = resolve_model(prod["model"]).config
-    gpu = get_gpu(prod["gpu"])
-    base = DecodeFit(0.0, 0.0)
-    rows = []
-    for weights in ("fp8", "int4"):
-        p = step_profile(config, PrecisionPlan(weights), prod["tp"], "fp8")
-        target = 1.0 / prod["decode_tok_s_1"][weights]
-        rows.append((p.layers, p.fp8_calls, target - _variable_seconds(p, gpu, 1, prod["context"], base)))
-    (a1, b1, c1), (a2, b2, c2) = rows
-    det = a1 * b2 - a2 * b1
-    if det == 0:
-        raise QuantkitError("decode fit: the FP8 and INT4 plans have the same FP8 call count")
-    fit = DecodeFit(t_layer=(c1 * b2 - c2 * b1) / det, t_fp8_call=(a1 * c2 - a2 * c1) / det)
-    _check_positive(fit)
-    return fit
+def attention_seconds(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit, backend: str | None,
+                      pool_tokens: int = 0) -> float:
+    """Decode attention of the whole step (every attention layer) on one GPU."""
+    k = kernel(gpu_arch(gpu.key), backend or reference_backend(p.kv_layout, gpu))
+    per_layer = layer_seconds(k, gpu, p.kv_layout, p.kv, p.heads_local, p.latent, p.kv_layer, batch,  # type: ignore[arg-type]
+                              context, p.index_topk, pool_tokens, fit.c_w, fit.c_fp8)
+    return p.layers * per_layer
 
 
-def _prefill_parts(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> dict:
-    """Node-wide seconds per prefilled token: GEMMs by dtype and attention, before fitted terms."""
-    p = step_profile(config, plan, tp, "bf16")
-    eff = EFF_COMPUTE
-    gemm = {
-        d: tp * f / (gpu.flops("fp8" if d == "fp8" else "bf16") * eff * tp)
-        for d, f in p.flops_per_token.items()
-    }
-    mean_pos = context / 2.0
-    attended = min(mean_pos, p.index_topk) if p.index_topk else mean_pos
-    attention = p.attn_flops_per_pos * attended / (gpu.flops("bf16") * eff * tp)
-    return {"gemm": gemm, "attention": attention, "layers": p.layers}
-
-
-@lru_cache(maxsize=1)
-def fit_prefill() -> PrefillFit:
-    """Solve the INT4 dequant penalty and the per-layer-token cost from 10,160 / 8,660 tok/s."""
-    prod = PRODUCTION
-    config = resolve_model(prod["model"]).config
-    gpu = get_gpu(prod["gpu"])
-    fp8 = _prefill_parts(config, PrecisionPlan("fp8"), gpu, prod["tp"], prod["context"])
-    int4 = _prefill_parts(config, PrecisionPlan("int4"), gpu, prod["tp"], prod["context"])
-    t8 = 1.0 / prod["prefill_tok_s"]["fp8"] - sum(fp8["gemm"].values()) - fp8["attention"]
-    t_layer_token = t8 / fp8["layers"]
-    rest = 1.0 / prod["prefill_tok_s"]["int4"] - sum(int4["gemm"].values()) - int4["attention"]
-    rest -= t_layer_token * int4["layers"]
-    penalty = rest / int4["gemm"]["int4"] if int4["gemm"]["int4"] else 0.0
-    return PrefillFit(int4_dequant_penalty=penalty, t_layer_token=t_layer_token)
-
-
-def prefill_tok_s(config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, context: int) -> float:
-    """Modelled prefill throughput of the whole TP group (tokens/s)."""
-    fit = fit_prefill()
-    parts = _prefill_parts(config, plan, gpu, tp, context)
-    gemm = parts["gemm"]
-    t = gemm["bf16"] + gemm["fp8"] + gemm["int4"] * (1.0 + fit.int4_dequant_penalty)
-    t += parts["attention"] + fit.t_layer_token * parts["layers"]
-    return 1.0 / t
+def _step(p: StepProfile, gpu: GPU, batch: int, context: int, fit: DecodeFit, backend: str | None = None,
+          pool_tokens: int = 0) -> float:
+    fixed = p.layers * fit.t_layer + p.fp8_calls * fit.t_fp8_call + batch * fit.t_req
+    return (fixed + _variable_seconds(p, gpu, batch, context, fit)
+            + attention_seconds(p, gpu, batch, context, fit, backend, pool_tokens))
 
 
 def decode_tok_s(
-    config: dict[str, Any], plan: PrecisionPlan, gpu: GPU, tp: int, batch: int, context: int, kv: str
+    config: JSONObject, plan: PrecisionPlan, gpu: GPU, tp: int, batch: int, context: int, kv: str,
+    backend: str | None = None, pool_tokens: int = 0,
 ) -> float:
-    """Modelled aggregate decode throughput (tokens/s) of `batch` requests at `context` tokens."""
+    """Modelled aggregate decode throughput (tokens/s) of `batch` requests at `context` tokens on the attention
+    `backend` (None: `reference_backend`); `pool_tokens` (KV tokens per GPU) matters for fa3 / flashinfer FP8 MLA."""
     p = step_profile(config, plan, tp, kv)
-    return batch / _step(p, gpu, batch, context, fit_decode())
+    return batch / _step(p, gpu, batch, context, fit_decode(), backend, pool_tokens)
 
 
-def _plan_for(config: dict[str, Any], weights: str) -> PrecisionPlan:
+def _plan_for(config: JSONObject, weights: str) -> PrecisionPlan:
     if weights == "native":
         return native_plan(config)
     if weights not in ("bf16", "fp8", "int4", "nvfp4", "mxfp4"):
@@ -300,14 +276,18 @@ def decode_step_seconds(
     context: int = 8192,
     weights: str = "int4",
     kv: str = "fp8",
+    backend: str | None = None,
+    pool_tokens: int = 0,
 ) -> float:
     """Modelled seconds of one decode step of `batch` requests at `context` tokens each.
 
-    `model` is a bundled name (`glm-5.2`, `kimi-k2.6`, ...) or a path to a config.json / checkpoint.
+    `model` is a bundled name (`glm-5.2`, `kimi-k2.6`, ...) or a path to a config.json / checkpoint; `backend`
+    an SGLang attention backend (None: the planner's reference backend for the GPU).
     """
     if batch < 1 or context < 1 or tp < 1:
         raise QuantkitError("decode_step_seconds: batch, context and tp must be >= 1")
-    return _step(_named_profile(model, tp, weights, kv), get_gpu(gpu), batch, context, fit_decode())
+    return _step(_named_profile(model, tp, weights, kv), get_gpu(gpu), batch, context, fit_decode(), backend,
+                 pool_tokens)
 
 
 @lru_cache(maxsize=256)
@@ -324,6 +304,87 @@ def decode_gain(model: str, batch: int, gpu: str = "h200", tp: int = 8, context:
     return fp8 / int4 - 1.0
 
 
+@dataclass(frozen=True)
+class ProductionKV:
+    """FP8 vs BF16 KV in production: `slower_at_1` at one request of `context_1` tokens; `gain` in maximum
+    throughput with `requests_bf16` vs `requests_fp8` requests of `context_full` tokens."""
+
+    model: str = "kimi-k2.6"
+    weights: str = "int4"
+    context_1: int = 8192
+    slower_at_1: float = 0.03
+    context_full: int = 686_000 // 32
+    requests_bf16: int = 31
+    requests_fp8: int = 64
+    gain: float = 0.41
+
+
+PRODUCTION_KV = ProductionKV()
+# The attention backends the production figures ran on: GLM-5.2 DSA on SGLang's Hopper default; Kimi's report
+# names none: FlashMLA is assumed (fa3 or flashinfer would make FP8 KV ~10x slower at Kimi's pool, sglang#35291).
+PRODUCTION_ATTENTION: dict[str, str] = {"glm-5.2": "flashmla_kv", "kimi-k2.6": "flashmla"}
+
+# The fitted unknowns, in the order of DecodeFit's constructor arguments.
+_UNKNOWNS = ("t_layer", "t_fp8_call", "c_w", "c_fp8")
+
+
+def _fit_rows() -> list[tuple[list[float], float]]:
+    """The four production equations as rows (coefficients of _UNKNOWNS, right-hand side): each is linear in
+    the unknowns, so its coefficients are differences of the model at unit values of each."""
+    prod, kv = PRODUCTION, PRODUCTION_KV
+    h200 = get_gpu(prod["gpu"])
+
+    def linear(terms: list[tuple[float, str, str, str, int, int]]) -> tuple[list[float], float]:
+        # terms: (weight, model, weights, kv, batch, context); the row is sum(weight * t_step) = 0
+        def total(fit: DecodeFit) -> float:
+            return sum(w * _step(_named_profile(m, prod["tp"], wt, k), h200, b, c, fit,
+                                 PRODUCTION_ATTENTION[m]) for w, m, wt, k, b, c in terms)
+
+        base = DecodeFit(0.0, 0.0)
+        zero = total(base)
+        return [total(DecodeFit(**{**_fit_fields(base), u: 1.0})) - zero for u in _UNKNOWNS], -zero
+
+    rows = []
+    for weights in ("fp8", "int4"):  # GLM-5.2 at one request: t_step = 1 / tok_s
+        coeffs, rhs = linear([(1.0, prod["model"], weights, "fp8", 1, prod["context"])])
+        rows.append((coeffs, rhs + 1.0 / prod["decode_tok_s_1"][weights]))
+    m, w, c1 = kv.model, kv.weights, kv.context_1
+    rows.append(linear([(1.0, m, w, "fp8", 1, c1), (-(1.0 + kv.slower_at_1), m, w, "bf16", 1, c1)]))
+    n16, n8, c = kv.requests_bf16, kv.requests_fp8, kv.context_full
+    rows.append(linear([(n8, m, w, "bf16", n16, c), (-(1.0 + kv.gain) * n16, m, w, "fp8", n8, c)]))
+    return rows
+
+
+def _fit_fields(fit: DecodeFit) -> dict[str, float]:
+    return {f: getattr(fit, f) for f in (*_UNKNOWNS, "t_req")}
+
+
+def _solve(rows: list[tuple[list[float], float]]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a 4 x 4 system; no numpy in the planner's import path)."""
+    a = [list(coeffs) + [rhs] for coeffs, rhs in rows]
+    n = len(a)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            raise QuantkitError("decode fit: the production equations do not determine the constants")
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+@lru_cache(maxsize=1)
+def fit_decode() -> DecodeFit:
+    """Solve t_layer, t_fp8_call, c_fp8 and t_req from the four production figures (see the module docstring)."""
+    values = _solve(_fit_rows())
+    fit = DecodeFit(**dict(zip(_UNKNOWNS, values, strict=True)))
+    _check_positive(fit)
+    return fit
+
+
 def _check_positive(fit: DecodeFit) -> None:
-    if not (fit.t_layer > 0 and fit.t_fp8_call > 0 and math.isfinite(fit.t_layer)):
+    if not (fit.t_layer > 0 and fit.t_fp8_call > 0 and fit.c_fp8 >= 0 and fit.t_req >= 0
+            and all(math.isfinite(v) for v in _fit_fields(fit).values())):
         raise QuantkitError(f"decode fit produced non-physical constants {fit}")

@@ -77,6 +77,8 @@ class Recipe(BaseModel):
     gptq: GPTQSettings = GPTQSettings()
     calibration: CalibrationSettings = CalibrationSettings()
     kv_cache: Literal["fp8"] | None = None
+    # which FP8 KV scales to ship: calibrated, 1.0 (unit), or the measured rule's choice (quantkit.engines.kv_choice)
+    kv_scales: Literal["auto", "calibrated", "unit"] = "auto"
     max_shard_size: str = "5GB"
     # per-unit formats overriding the uniform scheme (docs/mixed-precision.md): unit name ("layers.3.experts") or
     # an fnmatch pattern ("layers.*.shared_experts"; an exact name wins over patterns, later patterns over

@@ -40,7 +40,7 @@ from quantkit.validate.fp4 import (
 )
 from quantkit.validate.mixed import check_mixed
 from quantkit.validate.report import Check, CheckStatus, Output, ValidationReport
-from quantkit.validate.serving import check_kv_scales, check_pd_pairs
+from quantkit.validate.serving import check_kv_choice, check_kv_scales, check_pd_pairs
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationConfig
@@ -78,6 +78,7 @@ def validate_checkpoint(path: str | Path, source: str | Path | None = None, samp
     check_kv_scales(out, report)
     report.engines = engine_verdicts(read_checkpoint_facts(root), engines)
     check_pd_pairs(root, report)
+    check_kv_choice(root, report)
     if source is not None:
         _check_against_source(out, Path(source), modules, report)
     return report

@@ -8,7 +8,7 @@ import pytest
 
 # vLLM's Hopper MLA prefill backends accept only the real head dims, its sparse-MLA FP8 layout needs 576
 REAL_MLA = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kv_lora_rank": 512}
-Case = tuple[str, str, int, str | None]  # family, source format, group size, kv (None | "fp8")
+Case = tuple[str, str, int, str | None]  # family, source format, group size, kv (None | "fp8" | "fp8-<kv-scales>")
 
 CORE_CASES: list[Case] = [
     ("deepseek_v3", "fp8", 32, "fp8"),

@@ -1,7 +1,8 @@
 """Checkpoints for the engine-conformance tests: every preset x source form, converted by quantkit.
 
 A case is (family, source format, group size, KV): family is a quantkit family or the `kimi_k25`
-multimodal wrapper (INT4 passthrough, as Kimi ships it); KV "fp8" converts with `--kv-cache fp8`
+multimodal wrapper (INT4 passthrough, as Kimi ships it); KV "fp8" converts with `--kv-cache fp8` (the KV scales
+the measured rule ships; "fp8-calibrated" / "fp8-unit" force them, `--kv-scales`)
 (layer-by-layer calibration on the bundled corpus, a tokenizer trained here). `make test` runs a covering
 subset (`cases.CORE_CASES`); `make test-all` adds the whole matrix. Engine runs go in batches (the engine is
 imported once per batch, one forked child per run).
@@ -59,9 +60,10 @@ def converted(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
                     shutil.copy2(f, src / f.name)
         config = json.loads((src / "config.json").read_text())
         fields = {"group_size": group}
-        if kv:
-            fields.update({"kv_cache": kv, "calibration.dataset": str(CORPUS), "calibration.samples": 4,
-                           "calibration.seq_len": 32})
+        if kv:  # "fp8", or "fp8-calibrated" / "fp8-unit": the KV scales forced (--kv-scales) instead of the rule's
+            kv_cache, _, kv_scales = kv.partition("-")
+            fields.update({"kv_cache": kv_cache, "calibration.dataset": str(CORPUS), "calibration.samples": 4,
+                           "calibration.seq_len": 32, **({"kv_scales": kv_scales} if kv_scales else {})})
         out = root / "out"
         convert(src, out, load_recipe(None, config, fields))
         cache[case] = (src, out)

@@ -5,7 +5,7 @@ For each case the engine is launched (config parsing, model construction, `load_
 args the record gives, and must: raise nothing; put every checkpoint tensor into a parameter, except the
 ones the record says that engine skips by design; leave no parameter that expects data without it; give
 the routed experts the WNA16 MoE method and everything else an unquantized method; and read, in the
-attention, the KV scale the record promises (the calibrated value, or none).
+attention, the KV scale the record promises (the calibrated value, 1.0 where the checkpoint ships 1.0, or none).
 """
 
 from __future__ import annotations
@@ -67,7 +67,12 @@ def check_engine_agrees(engine: str, case: Case, out, report: dict) -> dict:
     # the KV scale the attention reads is the one the record promises
     kv_use = verdict["kv_cache"]
     read = {m: v for m, v in report["kv"].items() if _LAYER.search(m)}
-    if kv_use["scale"] == "calibrated":
+    if kv_use["scale"] == "1.0" and "fp8" in kv_use["dtype"]:  # scales of 1.0 shipped (kv_choice: "unit")
+        assert all(v == 1.0 for v in _kv_values(out).values()), _kv_values(out)
+        # None: no KV scale parameter (GLM-4.x in SGLang), the backends apply 1.0 (triton_backend.py: k_descale)
+        assert all(s.get("k_scale") in (None, 1.0) for s in read.values()), read
+        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
+    elif kv_use["scale"] == "calibrated":
         written = _kv_values(out)
         assert read, "no attention module reports a KV scale"
         for module, scales in read.items():

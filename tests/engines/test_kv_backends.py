@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 from quantkit.engines.kv_backends import BACKENDS
 
-MLA_CASE = ("deepseek_v3", "fp8", 32, "fp8")  # calibrated MLA KV scales
+MLA_CASE = ("deepseek_v3", "fp8", 32, "fp8-calibrated")  # calibrated MLA KV scales (--kv-scales calibrated)
+RULE_CASE = ("deepseek_v3", "fp8", 32, "fp8")  # the KV scales the measured rule ships (quantkit/engines/kv_choice.py)
 EXECUTED = ("triton", "flashmla", "trtllm_mla", "cutedsl_mla", "flashinfer", "fa3")
 
 
@@ -96,6 +97,33 @@ def test_backend_verdict_from_execution_matches_the_table(executed, name: str) -
     verdict = ("consistent" if reads and writes else "ignored" if not reads and not writes else "inconsistent")
     table = next(b for b in BACKENDS if b.engine == "sglang" and b.name == name)
     assert verdict == table.verdict, (name, reads, writes)
+
+
+def test_rule_record_pins_the_backend_its_scale_needs(converted, tmp_path) -> None:
+    """The record of a default conversion follows the rule (kv_choice.py): calibrated scales pin triton (checked
+    above); scales of 1.0 pin the fastest backend, SGLang resolves that backend for the record's args, the
+    checkpoint's scale tensors are 1.0 and the backend's executed decode writes and reads at 1.0."""
+    from quantkit.engines.kv_choice import UNIT_BACKEND
+
+    out = converted(RULE_CASE)[1]
+    record = json.loads((out / "quantkit.json").read_text())["serving"]["sglang"]
+    if record["kv_cache"]["scale"] == "calibrated":
+        assert record["kv_cache"]["attention_backend"] == "triton"
+        return
+    assert record["kv_cache"]["scale"] == "1.0" and _k_scale(out) == 1.0
+    backend = record["kv_cache"]["attention_backend"]
+    assert backend == UNIT_BACKEND["sm90"] and record["kv_choice"]["shipped"] == "unit"
+    proc = subprocess.run([sys.executable, str(HERE / "run_sglang_attn.py"), str(tmp_path / "attn.json"), str(out),
+                           "1.0", backend, "--record-args", json.dumps(record["args"])], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO),
+                               "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "attn.json").read_text())
+    assert report["record_backend"] == backend
+    result = report["backends"][backend]
+    assert result["error"] is None and result["write_is_plain_cast"] and result["write_divides_by_scale"]
+    assert _read_multiplies(backend, result["calls"], 1.0)  # the descale it is handed is the checkpoint's 1.0
 
 
 def test_record_runs_the_calibrated_mla_scale_on_a_backend_that_applies_it(executed) -> None:

@@ -20,7 +20,7 @@ from harness import HERE, REPO, SOURCES, EngineRunError
 
 from quantkit.engines.pd import PDPair, pd_problems
 
-MLA_CASE = ("deepseek_v3", "fp8", 32, "fp8")  # FP8 source, INT4 output with calibrated MLA KV scales
+MLA_CASE = ("deepseek_v3", "fp8", 32, "fp8")  # FP8 source, INT4 output with the MLA KV scales the rule ships
 DSA_CASE = ("glm_moe_dsa", "fp8", 32, None)
 
 

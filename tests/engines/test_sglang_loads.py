@@ -59,7 +59,8 @@ def _landed_nowhere(report: dict) -> set[str]:
     return skipped & set(report["draft"]["skipped_tensors"]) if report.get("draft") else skipped
 
 
-GLM4_KV, MLA_KV, GLM4_G64, DSA = ("glm4_moe", "fp8", 32, "fp8"), ("deepseek_v3", "fp8", 32, "fp8"), \
+# MLA_KV: calibrated scales forced (--kv-scales calibrated): the test reads the calibrated value in attn_mqa
+GLM4_KV, MLA_KV, GLM4_G64, DSA = ("glm4_moe", "fp8", 32, "fp8"), ("deepseek_v3", "fp8", 32, "fp8-calibrated"), \
     ("glm4_moe", "bf16", 64, None), ("glm_moe_dsa", "fp8", 32, None)
 NO_FUSION = ("--disable-shared-experts-fusion",)
 

@@ -47,9 +47,11 @@ def _convert(src: Path, out: Path, *args: str) -> Path:
 
 
 def _kv_scales(ckpt: Path) -> Path:
-    """Calibrate FP8 KV scales into an INT4 checkpoint with `quantkit kv-scales` (in place)."""
+    """Calibrate FP8 KV scales into an INT4 checkpoint with `quantkit kv-scales` (in place); the calibrated values
+    forced (--kv-scales calibrated): these tests check how vLLM loads calibrated scales."""
     proc = subprocess.run([sys.executable, "-m", "quantkit", "kv-scales", str(ckpt), "--samples", "4",
-                           "--seq-len", "32"], capture_output=True, text=True, timeout=600)
+                           "--seq-len", "32", "--kv-scales", "calibrated"], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return ckpt
 
