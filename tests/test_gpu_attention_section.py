@@ -1,4 +1,4 @@
-"""bench/gpu_attention.py (issue 28) runs its CPU smoke path: the pool upcast and SGLang's Triton MLA decode
+"""bench/gpu_sections/attention.py (issue 28) runs its CPU smoke path: the pool upcast and SGLang's Triton MLA decode
 kernel (under the Triton interpreter) at tiny sizes, each row carrying the planner's prediction."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_attention_section_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_attention.py"), "--smoke", "--out",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_sections" / "attention.py"), "--smoke", "--out",
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "attention.json").read_text())

@@ -55,6 +55,7 @@ REGISTRY: tuple[Section, ...] = (
     Section("rtn", "RTN on cuda: the real-size layer", 20, 120),
     Section("integrity_server", "Integrity plugin in a real SGLang server: decode tok/s off / on (overlap on)", 240,
             120, extra=True),
+    Section("attention", "MLA decode attention vs the planner's attention term", 60, 240, extra=True),
 )
 BY_NAME: dict[str, Section] = {s.name: s for s in REGISTRY}
 SECTIONS: dict[str, str] = {s.name: s.title for s in REGISTRY}  # file stem -> title, in the summary's order

@@ -48,7 +48,7 @@ SOURCES: dict[str, str] = {
     "A10": "SGLang fa3 / flashinfer_mla with FP8 KV convert the whole per-layer pool to BF16: 225.79 us per layer "
            "at a 131,072-token pool, 13.77 ms of a 31.52 ms step (DeepSeek-R1, 8 x H200); flashmla page 64: "
            "17.68 ms, its unfused FP8 write +0.425 ms per step https://github.com/sgl-project/sglang/issues/35291",
-    "prior": "no published figure: a prior, to be replaced by bench/gpu_attention.py on a lent GPU",
+    "prior": "no published figure: a prior, to be replaced by bench/gpu_sections/attention.py on a lent GPU",
 }
 T_REQ_S = 0.2e-6  # A7's per-request term (RTX 4090), extrapolated to every backend and GPU
 C_POOL_S = 225.79e-6 / 131072  # A10: seconds per pool token per layer for the BF16 conversion (H200, measured)

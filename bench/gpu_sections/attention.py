@@ -1,12 +1,11 @@
 """attention (issue 28): MLA decode attention on the lent GPU against the planner's attention term.
 
-    python bench/gpu_attention.py [--smoke] --out DIR   # stand-alone; a GPU-check driver calls run(ctx, rep)
+    python bench/gpu_sections/attention.py [--smoke] --out DIR   # stand-alone; the GPU check calls run(ctx, rep)
 
-A section of the GPU check in the gpu_sections style (`run(ctx, rep)`, `summary_lines`), kept beside the registry
-because the check's $OUT holds at most 8 files and the 7 registered sections plus summary.md fill them: wiring it
-is moving it to gpu_sections/attention.py with one registry line (Section("attention", "MLA decode attention vs
-the planner", 60, 240)) once a file is freed, or calling `run` from an existing section. `--smoke` runs the same
-code at tiny sizes on the CPU (the kernel under the Triton interpreter).
+A section of the GPU check (`run(ctx, rep)`, `summary_lines`), registered as an extra one: the check's $OUT
+returns at most 8 files and the 7 default sections plus summary.md fill them, so it runs in a second call,
+`bench/gpu_check.sh --only attention`. `--smoke` runs the same code at tiny sizes on the CPU (the kernel under the
+Triton interpreter).
 
 Figures (each row also carries the planner's prediction, computed before the timing, and the ratio):
 - `pool_upcast`: what SGLang's fa3 and flashinfer MLA backends do with FP8 KV on every layer of every decode
@@ -37,7 +36,7 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for gpu_sections.common stand-alone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for gpu_sections.common stand-alone
 from gpu_sections.common import (  # noqa: E402
     REPO,
     Context,
