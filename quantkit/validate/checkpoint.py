@@ -41,6 +41,7 @@ from quantkit.validate.fp4 import (
 from quantkit.validate.mixed import check_mixed
 from quantkit.validate.report import Check, CheckStatus, Output, ValidationReport
 from quantkit.validate.serving import check_kv_choice, check_kv_scales, check_pd_pairs
+from quantkit.validate.shapes import PackedShape, tp_fit_problems
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationConfig
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Check", "CheckStatus", "ValidationReport", "validate_checkpoint"]
 
-_TPS = (1, 2, 4, 8)
 _FUSED = [("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
 
 
@@ -271,27 +271,11 @@ def _shape_problems(out: Output, adapter: Adapter, modules: list[str], group: in
     problems: list[str] = []
     if per_word == 8 and group not in (32, 64, 128):
         problems.append(f"group size {group} is not one Marlin accepts (32, 64, 128)")
-    ok_tps = []
-    for tp in _TPS:
-        bad = []
-        for m in modules:
-            out_f, in_f = (d * (per_word if i else 1) for i, d in enumerate(out.tensors[f"{m}.weight_packed"][1].shape))
-            role = adapter.classify(m + ".weight").role
-            row_parallel = m.endswith(("down_proj", "o_proj"))
-            per_in, per_out = (in_f // tp, out_f) if row_parallel else (in_f, out_f // tp)
-            if role == Role.ROUTED_EXPERT:
-                fail = (in_f % tp or out_f % tp) or per_in % group
-            else:
-                fail = (in_f % tp or out_f % tp) or per_in % 128 or per_out % 64 or per_in % group
-            if fail:
-                bad.append(m)
-        if not bad:
-            ok_tps.append(tp)
-        elif tp == 1:
-            problems.append(f"{bad[0]}: shape does not fit group {group} / Marlin tiles even at TP 1")
-    report.facts["tp_ok"] = ok_tps
-    report.facts["max_tp"] = max(ok_tps) if ok_tps else 0
-    return problems
+    shapes = []
+    for m in modules:
+        out_f, in_f = (d * (per_word if i else 1) for i, d in enumerate(out.tensors[f"{m}.weight_packed"][1].shape))
+        shapes.append(PackedShape(m, adapter.classify(m + ".weight").role, out_f, in_f, group))
+    return problems + tp_fit_problems(shapes, report, f"group {group}")
 
 
 def _check_mtp(out: Output, adapter: Adapter, report: ValidationReport) -> None:

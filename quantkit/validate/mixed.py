@@ -13,25 +13,24 @@ per format with per-layer `re:` targets. Each Linear's group is found the way SG
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from quantkit.arch import Role, get_adapter
+from quantkit.arch import Adapter, Role, get_adapter
 from quantkit.checkpoint.qconfig import format_of_group, group_of_module, is_ignored, unit_formats_of_config
+from quantkit.core.jsontypes import JSONObject
 from quantkit.quant.scheme import FORMATS, FormatName, WeightFormat
 from quantkit.quant.units import list_units, unit_of
 from quantkit.validate.report import Output, ValidationReport
+from quantkit.validate.shapes import PackedShape, tp_fit_problems
 
 __all__ = ["check_mixed"]
 
-_TPS = (1, 2, 4, 8)
 _SKIP = (Role.EMBEDDING, Role.NORM, Role.ROUTER)
 
 
 def check_mixed(out: Output, report: ValidationReport, sample: int) -> list[str]:
     """Run the format and engine-rule checks of a per-unit checkpoint; returns its packed (INT / FP4) modules."""
-    qc: dict[str, Any] = out.config.get("quantization_config") or {}
+    qc: JSONObject = out.config.get("quantization_config") or {}
     adapter = get_adapter(out.config)
     report.add("quantization_config", _qconfig_problems(qc), f"{len(qc.get('config_groups') or {})} per-unit groups, "
                f"format {qc.get('format')!r}")
@@ -71,7 +70,7 @@ def check_mixed(out: Output, report: ValidationReport, sample: int) -> list[str]
     return packed
 
 
-def _qconfig_problems(qc: dict[str, Any]) -> list[str]:
+def _qconfig_problems(qc: JSONObject) -> list[str]:
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -112,7 +111,7 @@ def _logical_shape(out: Output, module: str, primary: str, fmt: WeightFormat) ->
     return int(shape[0]), int(shape[1]) * per
 
 
-def _decompress_problems(out: Output, qc: dict[str, Any], packed: list[str], sample: int) -> list[str]:
+def _decompress_problems(out: Output, qc: JSONObject, packed: list[str], sample: int) -> list[str]:
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors import safe_open
@@ -135,27 +134,12 @@ def _decompress_problems(out: Output, qc: dict[str, Any], packed: list[str], sam
     return problems
 
 
-def _shape_problems(out: Output, adapter: Any, packed: list[str], formats: dict[str, FormatName | None],
+def _shape_problems(out: Output, adapter: Adapter, packed: list[str], formats: dict[str, FormatName | None],
                     report: ValidationReport) -> list[str]:
     """Per-rank divisibility for TP 1..8 with each module's own group (as the uniform check does with one)."""
-    ok_tps, problems = [], []
-    for tp in _TPS:
-        bad = []
-        for m in packed:
-            fmt = FORMATS[formats[m] or "int4-g32"]
-            group = fmt.group or 1
-            out_f, in_f = _logical_shape(out, m, "weight_packed", fmt)
-            row_parallel = m.endswith(("down_proj", "o_proj"))
-            per_in, per_out = (in_f // tp, out_f) if row_parallel else (in_f, out_f // tp)
-            fail = in_f % tp or out_f % tp or per_in % group
-            if adapter.classify(m + ".weight").role != Role.ROUTED_EXPERT:
-                fail = fail or per_in % 128 or per_out % 64
-            if fail:
-                bad.append(m)
-        if not bad:
-            ok_tps.append(tp)
-        elif tp == 1:
-            problems.append(f"{bad[0]}: shape does not fit its group / Marlin tiles even at TP 1")
-    report.facts["tp_ok"] = ok_tps
-    report.facts["max_tp"] = max(ok_tps) if ok_tps else 0
-    return problems
+    shapes = []
+    for m in packed:
+        fmt = FORMATS[formats[m] or "int4-g32"]
+        out_f, in_f = _logical_shape(out, m, "weight_packed", fmt)
+        shapes.append(PackedShape(m, adapter.classify(m + ".weight").role, out_f, in_f, fmt.group or 1))
+    return tp_fit_problems(shapes, report, "its group")
