@@ -4,6 +4,7 @@
 #   bash bench/gpu_check.sh                 # on the GPU machine (results in $OUT, or ./gpu-out)
 #   bash bench/gpu_check.sh --smoke         # the same code paths at tiny sizes on the CPU (CI, tests)
 #   bash bench/gpu_check.sh --only kernels,rtn   # rerun some sections (the summary covers what is there)
+#   bash bench/gpu_check.sh --only integrity_server,attention   # the extra sections (registry: extra=True)
 #   bash bench/gpu_check.sh --fetch-wheels  # HERE, with PyPI: wheels of the packages the GPU image lacks
 #   GPU_CHECK_BOXES="kernels=200" bash bench/gpu_check.sh --only kernels   # other time boxes (seconds)
 #
