@@ -39,6 +39,30 @@ def _kv_values(out) -> dict[str, float]:
     return values
 
 
+def check_kv_read(kv_use: dict, report: dict, out) -> None:
+    """The KV scale the engine's attention reads is the one the record promises: 1.0 where the checkpoint ships
+    1.0, the calibrated value where it ships calibrated scales, FP8 only with one of those (or per-tile rows)."""
+    read = {m: v for m, v in report["kv"].items() if _LAYER.search(m)}
+    if kv_use["scale"] == "1.0" and "fp8" in kv_use["dtype"]:  # scales of 1.0 shipped (kv_choice: "unit")
+        assert all(v == 1.0 for v in _kv_values(out).values()), _kv_values(out)
+        # None: no KV scale parameter (GLM-4.x in SGLang), the backends apply 1.0 (triton_backend.py: k_descale)
+        assert all(s.get("k_scale") in (None, 1.0) for s in read.values()), read
+        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
+    elif kv_use["scale"] == "calibrated":
+        written = _kv_values(out)
+        assert read, "no attention module reports a KV scale"
+        for module, scales in read.items():
+            layer = int(_LAYER.search(module).group(1))
+            k = [v for n, v in written.items() if f"layers.{layer}.self_attn" in n and n.endswith("k_scale")]
+            if not k:  # the MTP layer carries no calibrated scale
+                continue
+            assert scales["k_scale"] == pytest.approx(k[0], rel=1e-6), (module, scales, k[0])
+        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
+    else:
+        assert "fp8" not in str(report["kv_cache_dtype"]).lower() or kv_use["scale"] == "per-tile", (
+            kv_use, report["kv_cache_dtype"])
+
+
 def _sections(report: dict) -> list[dict]:
     return [report] + ([report["draft"]] if report.get("draft") else [])
 
@@ -64,27 +88,7 @@ def check_engine_agrees(engine: str, case: Case, out, report: dict) -> dict:
                 assert "WNA16" in method, (module, method)
             else:
                 assert method is None or "WNA16" not in method and "Int4" not in method, (module, method)
-    # the KV scale the attention reads is the one the record promises
-    kv_use = verdict["kv_cache"]
-    read = {m: v for m, v in report["kv"].items() if _LAYER.search(m)}
-    if kv_use["scale"] == "1.0" and "fp8" in kv_use["dtype"]:  # scales of 1.0 shipped (kv_choice: "unit")
-        assert all(v == 1.0 for v in _kv_values(out).values()), _kv_values(out)
-        # None: no KV scale parameter (GLM-4.x in SGLang), the backends apply 1.0 (triton_backend.py: k_descale)
-        assert all(s.get("k_scale") in (None, 1.0) for s in read.values()), read
-        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
-    elif kv_use["scale"] == "calibrated":
-        written = _kv_values(out)
-        assert read, "no attention module reports a KV scale"
-        for module, scales in read.items():
-            layer = int(_LAYER.search(module).group(1))
-            k = [v for n, v in written.items() if f"layers.{layer}.self_attn" in n and n.endswith("k_scale")]
-            if not k:  # the MTP layer carries no calibrated scale
-                continue
-            assert scales["k_scale"] == pytest.approx(k[0], rel=1e-6), (module, scales, k[0])
-        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
-    else:
-        assert "fp8" not in str(report["kv_cache_dtype"]).lower() or kv_use["scale"] == "per-tile", (
-            kv_use, report["kv_cache_dtype"])
+    check_kv_read(verdict["kv_cache"], report, out)
     return report
 
 

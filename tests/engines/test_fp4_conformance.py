@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cases import REAL_MLA
 from harness import run_engine_batch
-from test_conformance import _LAYER, _kv_values
+from test_conformance import check_kv_read
 
 from quantkit.checkpoint.synth import make_checkpoint, wrap_multimodal
 from quantkit.convert.pipeline import convert
@@ -187,23 +187,7 @@ def test_engine_loads_fp4_output_as_the_record_says(engine, case, sm, fp4_conver
                 assert method is None or not any(k in method for k in ("Fp4", "fp4", "WNA16", "Int4")), (module,
                                                                                                        method)
         assert experts, "no routed-expert module reported"
-    kv_use = verdict["kv_cache"]
-    read = {m: v for m, v in report["kv"].items() if _LAYER.search(m)}
-    if kv_use["scale"] == "1.0" and "fp8" in kv_use["dtype"]:  # scales of 1.0 shipped (kv_choice: "unit")
-        assert all(v == 1.0 for v in _kv_values(out).values()), _kv_values(out)
-        # None: no KV scale parameter (GLM-4.x in SGLang), the backends apply 1.0 (triton_backend.py: k_descale)
-        assert all(s.get("k_scale") in (None, 1.0) for s in read.values()), read
-        assert "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
-    elif kv_use["scale"] == "calibrated":  # the attention reads the calibrated scale the record promises
-        written = _kv_values(out)
-        assert read and "fp8" in str(report["kv_cache_dtype"]).lower(), report["kv_cache_dtype"]
-        for module, scales in read.items():
-            layer = int(_LAYER.search(module).group(1))
-            k = [v for n, v in written.items() if f"layers.{layer}.self_attn" in n and n.endswith("k_scale")]
-            if k:  # the MTP layer carries no calibrated scale
-                assert scales["k_scale"] == pytest.approx(k[0], rel=1e-6), (module, scales, k[0])
-    else:
-        assert "fp8" not in str(report["kv_cache_dtype"]).lower() or verdict["kv_cache"]["scale"] == "per-tile"
+    check_kv_read(verdict["kv_cache"], report, out)  # the KV scale the attention reads is the record's
     for kind in ("weight", "input") if scheme == "nvfp4" else ("weight",) if scheme == "nvfp4a16" else ():
         scales = _global_scales(out, kind)  # one per gate/up pair: what SGLang demands and vLLM keeps one of
         pairs = [m for m in scales if m.endswith(".gate_proj")]
